@@ -1,0 +1,151 @@
+// Framework-free batch-normalization backward: the one public header of the core.
+//
+// Everything here takes raw pointers, sizes and a parameter struct. The TensorFlow op
+// (csrc/tf/) and the pybind11 module (csrc/py/) are thin bindings over it, so the math
+// and the input validation exist exactly once.
+#ifndef FBN_GRAD_TF_CORE_BN_GRAD_H_
+#define FBN_GRAD_TF_CORE_BN_GRAD_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace fbn {
+
+// 16-bit storage types. Layout-compatible with Eigen::half / Eigen::bfloat16 (TF),
+// numpy float16 / ml_dtypes.bfloat16, __half / __nv_bfloat16 (CUDA): bindings
+// reinterpret their pointers. All arithmetic is done in float.
+struct half_t {
+  uint16_t bits;
+};
+struct bfloat16_t {
+  uint16_t bits;
+};
+
+enum class DataFormat { kNHWC, kNCHW, kNDHWC, kNCDHW };
+enum class ElemType { kFloat32, kFloat16, kBFloat16 };
+
+// What reserve_space_2 holds in training mode. TF's CPU forward saves the biased batch
+// variance; TF's GPU forward (cuDNN) saves the inverse standard deviation
+// 1/sqrt(var + epsilon). Inference mode always receives the population variance.
+enum class SavedStat { kVariance, kInvStd };
+
+// Parses "NHWC", "NCHW", "NDHWC", "NCDHW". Returns false for anything else.
+bool ParseDataFormat(const std::string& s, DataFormat* out);
+const char* DataFormatName(DataFormat f);
+int DataFormatRank(DataFormat f);  // 4 or 5
+bool IsChannelsFirst(DataFormat f);
+
+// Canonical view of the activation tensor: [outer, channels, inner] in memory order.
+//   channels-last  (NHWC, NDHWC): outer = N*spatial, inner = 1
+//   channels-first (NCHW, NCDHW): outer = N,         inner = spatial
+// Kernels only see this view, so 4-D and 5-D tensors run through the same code.
+struct BnShape {
+  int64_t outer = 0;
+  int64_t channels = 0;
+  int64_t inner = 0;
+  int64_t elements() const { return outer * channels * inner; }
+  int64_t per_channel() const { return outer * inner; }  // M in the formulas
+};
+
+struct BnGradParams {
+  BnShape shape;
+  float epsilon = 1e-4f;
+  bool is_training = true;
+  SavedStat saved_stat = SavedStat::kVariance;
+};
+
+// Pointers of one call. dy, x, dx have shape.elements() elements of T; the rest C floats.
+// dx may not alias dy or x.
+template <typename T>
+struct BnGradArgs {
+  const T* dy = nullptr;
+  const T* x = nullptr;
+  const float* scale = nullptr;
+  const float* saved_mean = nullptr;  // reserve_space_1 (training) / population mean
+  const float* saved_var = nullptr;   // reserve_space_2: see SavedStat
+  T* dx = nullptr;
+  float* dscale = nullptr;
+  float* doffset = nullptr;
+};
+
+// ---------------------------------------------------------------------------------------
+// Validation: the single source of truth for what inputs are accepted, used by the TF
+// kernel and by the pybind11 functions alike. `dims` are the shapes of the six inputs.
+struct ValidationResult {
+  bool ok = true;
+  std::string error;  // set when !ok; names the argument, expected and actual shapes
+  BnShape shape;      // set when ok
+};
+
+ValidationResult ValidateBnGradInputs(const std::vector<int64_t>& y_backprop_dims,
+                                      const std::vector<int64_t>& x_dims,
+                                      const std::vector<int64_t>& scale_dims,
+                                      const std::vector<int64_t>& reserve_space_1_dims,
+                                      const std::vector<int64_t>& reserve_space_2_dims,
+                                      DataFormat format, float epsilon);
+
+std::string ShapeString(const std::vector<int64_t>& dims);
+
+// ---------------------------------------------------------------------------------------
+// CPU kernels.
+
+// How the CPU kernels run independent tasks. fn(begin, end) handles tasks [begin, end);
+// the runner may call it from any thread, with any partition of [0, num_tasks). Results
+// never depend on the partition: tasks are fixed by the shape alone, and reductions
+// combine per-task partial sums in a fixed order, so output is bitwise identical for any
+// number of threads.
+class TaskRunner {
+ public:
+  virtual ~TaskRunner() = default;
+  // cost_per_task: rough number of elements one task touches (a scheduling hint).
+  virtual void Run(int64_t num_tasks, int64_t cost_per_task,
+                   const std::function<void(int64_t, int64_t)>& fn) const = 0;
+};
+
+// Runs tasks on up to `num_threads` std::threads (1 = inline). For the pybind11 module
+// and tools; TensorFlow uses its own intra-op pool.
+class ThreadRunner : public TaskRunner {
+ public:
+  explicit ThreadRunner(int num_threads) : num_threads_(num_threads < 1 ? 1 : num_threads) {}
+  void Run(int64_t num_tasks, int64_t cost_per_task,
+           const std::function<void(int64_t, int64_t)>& fn) const override;
+
+ private:
+  int num_threads_;
+};
+
+// Instruction-set paths of the CPU kernels: the same source compiled three times.
+//   baseline: plain x86-64 (SSE2), runs on any x86-64 CPU;
+//   avx2:     AVX2 + FMA + F16C;
+//   avx512:   AVX-512 F/BW/VL/DQ, 512-bit vectors.
+// All paths produce bitwise identical results (same summation order, FMA contraction off,
+// identical rounding in the 16-bit conversions); they differ only in speed.
+enum class CpuIsa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* CpuIsaName(CpuIsa isa);
+bool CpuSupports(CpuIsa isa);
+// The best supported path, unless the environment variable FBN_GRAD_TF_ISA
+// (baseline | avx2 | avx512 | auto) asks for a lower one. Read once.
+CpuIsa DefaultCpuIsa();
+
+template <typename T>
+void BnGradCpu(const BnGradParams& params, const BnGradArgs<T>& args, const TaskRunner& runner,
+               CpuIsa isa);
+
+extern template void BnGradCpu<float>(const BnGradParams&, const BnGradArgs<float>&,
+                                      const TaskRunner&, CpuIsa);
+extern template void BnGradCpu<half_t>(const BnGradParams&, const BnGradArgs<half_t>&,
+                                       const TaskRunner&, CpuIsa);
+extern template void BnGradCpu<bfloat16_t>(const BnGradParams&, const BnGradArgs<bfloat16_t>&,
+                                           const TaskRunner&, CpuIsa);
+
+// Scalar conversions used everywhere on the CPU (round to nearest even, NaN kept quiet).
+float HalfToFloat(half_t h);
+half_t FloatToHalf(float f);
+float BFloat16ToFloat(bfloat16_t h);
+bfloat16_t FloatToBFloat16(float f);
+
+}  // namespace fbn
+
+#endif  // FBN_GRAD_TF_CORE_BN_GRAD_H_

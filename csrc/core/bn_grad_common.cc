@@ -1,0 +1,351 @@
+// Validation, data formats, 16-bit conversions, the std::thread task runner and the
+// runtime choice of the CPU instruction-set path.
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "bn_grad.h"
+
+namespace fbn {
+
+// Each ISA translation unit (cpu/bn_grad_cpu_<isa>.cc) defines these in its namespace.
+#define FBN_DECLARE_ISA(ns)                                                                 \
+  namespace ns {                                                                            \
+  void BnGradF32(const BnGradParams&, const BnGradArgs<float>&, const TaskRunner&);         \
+  void BnGradF16(const BnGradParams&, const BnGradArgs<half_t>&, const TaskRunner&);        \
+  void BnGradBF16(const BnGradParams&, const BnGradArgs<bfloat16_t>&, const TaskRunner&);   \
+  }
+FBN_DECLARE_ISA(baseline)
+FBN_DECLARE_ISA(avx2)
+FBN_DECLARE_ISA(avx512)
+#undef FBN_DECLARE_ISA
+
+// ---- data formats -------------------------------------------------------------------------
+
+bool ParseDataFormat(const std::string& s, DataFormat* out) {
+  if (s == "NHWC") *out = DataFormat::kNHWC;
+  else if (s == "NCHW") *out = DataFormat::kNCHW;
+  else if (s == "NDHWC") *out = DataFormat::kNDHWC;
+  else if (s == "NCDHW") *out = DataFormat::kNCDHW;
+  else return false;
+  return true;
+}
+
+const char* DataFormatName(DataFormat f) {
+  switch (f) {
+    case DataFormat::kNHWC: return "NHWC";
+    case DataFormat::kNCHW: return "NCHW";
+    case DataFormat::kNDHWC: return "NDHWC";
+    case DataFormat::kNCDHW: return "NCDHW";
+  }
+  return "?";
+}
+
+int DataFormatRank(DataFormat f) {
+  return (f == DataFormat::kNDHWC || f == DataFormat::kNCDHW) ? 5 : 4;
+}
+
+bool IsChannelsFirst(DataFormat f) {
+  return f == DataFormat::kNCHW || f == DataFormat::kNCDHW;
+}
+
+// ---- validation -------------------------------------------------------------------------
+
+std::string ShapeString(const std::vector<int64_t>& dims) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < dims.size(); ++i) os << (i ? "," : "") << dims[i];
+  os << "]";
+  return os.str();
+}
+
+namespace {
+
+ValidationResult Fail(const std::string& msg) {
+  ValidationResult r;
+  r.ok = false;
+  r.error = msg;
+  return r;
+}
+
+// Product of dims, false on a negative dim or int64 overflow.
+bool CheckedNumElements(const std::vector<int64_t>& dims, int64_t* out) {
+  int64_t n = 1;
+  for (int64_t d : dims) {
+    if (d < 0) return false;
+    if (__builtin_mul_overflow(n, d, &n)) return false;
+  }
+  *out = n;
+  return true;
+}
+
+}  // namespace
+
+ValidationResult ValidateBnGradInputs(const std::vector<int64_t>& dy_dims,
+                                      const std::vector<int64_t>& x_dims,
+                                      const std::vector<int64_t>& scale_dims,
+                                      const std::vector<int64_t>& rs1_dims,
+                                      const std::vector<int64_t>& rs2_dims, DataFormat format,
+                                      float epsilon) {
+  const int rank = DataFormatRank(format);
+  const std::string fmt = DataFormatName(format);
+  const auto rank_error = [&](const char* name, const std::vector<int64_t>& d) {
+    return Fail(std::string(name) + " must be " + std::to_string(rank) +
+                "-dimensional for data_format " + fmt + ", got shape " + ShapeString(d));
+  };
+  if (static_cast<int>(dy_dims.size()) != rank) return rank_error("y_backprop", dy_dims);
+  if (static_cast<int>(x_dims.size()) != rank) return rank_error("x", x_dims);
+  if (x_dims != dy_dims) {
+    return Fail("x and y_backprop must have the same shape, but x has shape " +
+                ShapeString(x_dims) + " and y_backprop has shape " + ShapeString(dy_dims));
+  }
+  int64_t elements = 0;
+  if (!CheckedNumElements(x_dims, &elements)) {
+    return Fail("x has shape " + ShapeString(x_dims) +
+                ": dimensions must be non-negative and their product must fit in 64 bits");
+  }
+  struct Vec {
+    const char* name;
+    const std::vector<int64_t>* dims;
+  };
+  const Vec vecs[] = {{"scale", &scale_dims},
+                      {"reserve_space_1 (saved mean)", &rs1_dims},
+                      {"reserve_space_2 (saved variance)", &rs2_dims}};
+  for (const Vec& v : vecs) {
+    if (v.dims->size() != 1) {
+      return Fail(std::string(v.name) + " must be 1-dimensional, got shape " +
+                  ShapeString(*v.dims));
+    }
+  }
+  const int channel_axis = IsChannelsFirst(format) ? 1 : rank - 1;
+  const int64_t C = x_dims[channel_axis];
+  for (const Vec& v : vecs) {
+    if ((*v.dims)[0] != C) {
+      return Fail(std::string(v.name) + " must have " + std::to_string(C) +
+                  " elements, the channel count of x (axis " + std::to_string(channel_axis) +
+                  " of shape " + ShapeString(x_dims) + " for data_format " + fmt +
+                  "), but has shape " + ShapeString(*v.dims));
+    }
+  }
+  if (!std::isfinite(epsilon) || epsilon < 0.0f) {
+    std::ostringstream os;
+    os << "epsilon must be a finite, non-negative number, got " << epsilon;
+    return Fail(os.str());
+  }
+
+  ValidationResult r;
+  int64_t spatial = 1;
+  if (IsChannelsFirst(format)) {
+    for (int i = 2; i < rank; ++i) spatial *= x_dims[i];
+    r.shape.outer = x_dims[0];
+    r.shape.inner = spatial;
+  } else {
+    for (int i = 1; i < rank - 1; ++i) spatial *= x_dims[i];
+    r.shape.outer = x_dims[0] * spatial;
+    r.shape.inner = 1;
+  }
+  r.shape.channels = C;
+  return r;
+}
+
+// ---- 16-bit conversions (round to nearest even) ----------------------------------------
+
+namespace {
+inline uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float BitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+}  // namespace
+
+float HalfToFloat(half_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
+  const uint32_t exp = (h.bits >> 10) & 0x1fu;
+  const uint32_t mant = h.bits & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24 is exact in float
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return BitsFloat(FloatBits(v) | sign);
+  }
+  if (exp == 31) {  // inf, or NaN made quiet (as the F16C instruction does)
+    return BitsFloat(sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0u));
+  }
+  return BitsFloat(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+half_t FloatToHalf(float f) {
+  uint32_t u = FloatBits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  u &= 0x7fffffffu;
+  half_t h;
+  if (u >= 0x7f800000u) {  // inf or NaN (quiet, top payload bits kept)
+    h.bits = sign | 0x7c00u | (u > 0x7f800000u ? (0x200u | ((u >> 13) & 0x3ffu)) : 0u);
+  } else if (u >= 0x477ff000u) {  // rounds to beyond the largest half: inf
+    h.bits = sign | 0x7c00u;
+  } else if (u < 0x38800000u) {  // result is subnormal or zero: let the FPU round
+    const float v = BitsFloat(u) + 0.5f;
+    h.bits = sign | static_cast<uint16_t>(FloatBits(v) - 0x3f000000u);
+  } else {
+    const uint32_t odd = (u >> 13) & 1u;
+    u += 0xc8000fffu;  // rebias exponent (-112 << 23) and add half an ulp minus one
+    u += odd;
+    h.bits = sign | static_cast<uint16_t>(u >> 13);
+  }
+  return h;
+}
+
+float BFloat16ToFloat(bfloat16_t h) { return BitsFloat(static_cast<uint32_t>(h.bits) << 16); }
+
+bfloat16_t FloatToBFloat16(float f) {
+  const uint32_t u = FloatBits(f);
+  bfloat16_t h;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    h.bits = static_cast<uint16_t>((u >> 16) | 0x40u);
+  } else {
+    h.bits = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  return h;
+}
+
+// ---- task runner -------------------------------------------------------------------------
+
+void ThreadRunner::Run(int64_t num_tasks, int64_t cost_per_task,
+                       const std::function<void(int64_t, int64_t)>& fn) const {
+  if (num_tasks <= 0) return;
+  // Below ~64K elements of work a thread start costs more than it saves.
+  const int64_t total = num_tasks * (cost_per_task > 0 ? cost_per_task : 1);
+  int64_t threads = std::min<int64_t>(num_threads_, num_tasks);
+  if (total < 65536) threads = 1;
+  if (threads <= 1) {
+    fn(0, num_tasks);
+    return;
+  }
+  // Dynamic claiming of small blocks: any partition gives the same result.
+  const int64_t block = std::max<int64_t>(1, num_tasks / (threads * 8));
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    for (;;) {
+      const int64_t b = next.fetch_add(block);
+      if (b >= num_tasks) return;
+      fn(b, std::min(num_tasks, b + block));
+    }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(threads - 1));
+  for (int64_t i = 1; i < threads; ++i) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+}
+
+// ---- instruction-set dispatch --------------------------------------------------------------
+
+const char* CpuIsaName(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kBaseline: return "baseline";
+    case CpuIsa::kAvx2: return "avx2";
+    case CpuIsa::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+bool CpuSupports(CpuIsa isa) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  switch (isa) {
+    case CpuIsa::kBaseline: return true;
+    case CpuIsa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case CpuIsa::kAvx512:
+      return CpuSupports(CpuIsa::kAvx2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512dq");
+  }
+  return false;
+#else
+  return isa == CpuIsa::kBaseline;
+#endif
+}
+
+namespace {
+CpuIsa BestIsa() {
+  if (CpuSupports(CpuIsa::kAvx512)) return CpuIsa::kAvx512;
+  if (CpuSupports(CpuIsa::kAvx2)) return CpuIsa::kAvx2;
+  return CpuIsa::kBaseline;
+}
+}  // namespace
+
+CpuIsa DefaultCpuIsa() {
+  static const CpuIsa chosen = [] {
+    const CpuIsa best = BestIsa();
+    const char* env = std::getenv("FBN_GRAD_TF_ISA");
+    if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return best;
+    CpuIsa want;
+    if (std::strcmp(env, "baseline") == 0 || std::strcmp(env, "scalar") == 0) {
+      want = CpuIsa::kBaseline;
+    } else if (std::strcmp(env, "avx2") == 0) {
+      want = CpuIsa::kAvx2;
+    } else if (std::strcmp(env, "avx512") == 0) {
+      want = CpuIsa::kAvx512;
+    } else {
+      std::fprintf(stderr,
+                   "fbn_grad_tf: ignoring FBN_GRAD_TF_ISA=%s (expected baseline, avx2, avx512 "
+                   "or auto); using %s\n",
+                   env, CpuIsaName(best));
+      return best;
+    }
+    if (!CpuSupports(want)) {
+      std::fprintf(stderr, "fbn_grad_tf: FBN_GRAD_TF_ISA=%s is not supported by this CPU; "
+                   "using %s\n", env, CpuIsaName(best));
+      return best;
+    }
+    return want;
+  }();
+  return chosen;
+}
+
+namespace {
+// An unsupported request falls back to the best supported path: never an illegal instruction.
+CpuIsa Usable(CpuIsa isa) { return CpuSupports(isa) ? isa : BestIsa(); }
+
+template <typename T>
+struct IsaTable;
+template <>
+struct IsaTable<float> {
+  static constexpr decltype(&baseline::BnGradF32) fns[] = {baseline::BnGradF32, avx2::BnGradF32,
+                                                           avx512::BnGradF32};
+};
+template <>
+struct IsaTable<half_t> {
+  static constexpr decltype(&baseline::BnGradF16) fns[] = {baseline::BnGradF16, avx2::BnGradF16,
+                                                           avx512::BnGradF16};
+};
+template <>
+struct IsaTable<bfloat16_t> {
+  static constexpr decltype(&baseline::BnGradBF16) fns[] = {
+      baseline::BnGradBF16, avx2::BnGradBF16, avx512::BnGradBF16};
+};
+}  // namespace
+
+template <typename T>
+void BnGradCpu(const BnGradParams& params, const BnGradArgs<T>& args, const TaskRunner& runner,
+               CpuIsa isa) {
+  IsaTable<T>::fns[static_cast<int>(Usable(isa))](params, args, runner);
+}
+
+template void BnGradCpu<float>(const BnGradParams&, const BnGradArgs<float>&, const TaskRunner&,
+                               CpuIsa);
+template void BnGradCpu<half_t>(const BnGradParams&, const BnGradArgs<half_t>&,
+                                const TaskRunner&, CpuIsa);
+template void BnGradCpu<bfloat16_t>(const BnGradParams&, const BnGradArgs<bfloat16_t>&,
+                                    const TaskRunner&, CpuIsa);
+
+}  // namespace fbn

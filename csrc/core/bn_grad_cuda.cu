@@ -1,0 +1,640 @@
+// CUDA kernels of the core: batch-normalization backward on the canonical view
+// [outer, channels, inner] (bn_grad.h). See docs/GPU.md for the design.
+//
+// Passes (all on the caller's stream, no host synchronisation):
+//   training : Pass<kReduce>  -> Finalize -> Pass<kApply>
+//   inference: Pass<kReduceScale> (also writes dx = dy * scale * inv) -> Finalize
+//
+// Pass<...> exists in two layouts:
+//   channels-last  (inner == 1): the data is a row-major [rows = outer, C] matrix. A block
+//     owns a tile of bx*VEC channels and a fixed chunk of rows; thread (tx, ty) handles VEC
+//     adjacent channels and the rows ty, ty + by, ty + 2*by, ... of the chunk.
+//   channels-first (inner > 1): a block owns one channel and a fixed chunk of its M
+//     elements (enumerated o*inner + i); thread t handles elements (in units of VEC
+//     contiguous elements) t, t + 256, t + 512, ... of the chunk.
+// Reductions: each thread sums its elements in a fixed order, the block combines the
+// thread sums with a fixed tree and writes one partial sum per (chunk, channel) into the
+// workspace; Finalize combines the partials of a channel with a fixed warp tree. Chunks
+// and trees depend on the shape alone (never on timing, the device, pointer alignment or
+// the element type), so results are bitwise identical from run to run. No atomics.
+//
+// Workspace (floats, contiguous, exact size from BnGradCudaWorkspaceBytes):
+//   [0,        G*C)   partial sum(dy)            indexed [g * C + c]
+//   [G*C,    2*G*C)   partial sum(dy * (x-mean)) indexed [g * C + c]
+//   training only:
+//   [2GC,    2GC+C)   k[c]   = scale * inv
+//   [2GC+C,  2GC+2C)  mdy[c] = sum(dy) / M
+//   [2GC+2C, 2GC+3C)  q[c]   = inv * inv * sum(dy * (x-mean)) / M
+#include "bn_grad_cuda.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace fbn {
+namespace {
+
+constexpr int kThreads = 256;               // threads per block of every kernel
+constexpr int64_t kTargetBlocks = 1024;     // roughly one full wave on a large GPU
+constexpr int64_t kMinBlockElems = 8192;    // least work of a reduction block
+constexpr int64_t kNominalTile = 128;       // channels-last: channels per tile (for G only)
+constexpr int64_t kChunkAlign = 8;          // channels-first chunk: multiple of any VEC
+constexpr int64_t kMaxGrid = int64_t{1} << 30;
+
+enum Mode : int { kReduce = 0, kReduceScale = 1, kApply = 2 };
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------------------
+// Element types.
+template <typename T>
+struct Dev;
+template <>
+struct Dev<float> {
+  using Raw = float;
+  static __device__ __forceinline__ float ToF(float v) { return v; }
+  static __device__ __forceinline__ float FromF(float v) { return v; }
+};
+template <>
+struct Dev<half_t> {
+  using Raw = unsigned short;
+  static __device__ __forceinline__ float ToF(unsigned short b) {
+    return __half2float(__ushort_as_half(b));
+  }
+  static __device__ __forceinline__ unsigned short FromF(float f) {
+    return __half_as_ushort(__float2half_rn(f));
+  }
+};
+template <>
+struct Dev<bfloat16_t> {
+  using Raw = unsigned short;
+  static __device__ __forceinline__ float ToF(unsigned short b) {
+    return __bfloat162float(__ushort_as_bfloat16(b));
+  }
+  static __device__ __forceinline__ unsigned short FromF(float f) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+};
+
+template <int kBytes>
+struct Bits;
+template <>
+struct Bits<2> {
+  using type = unsigned short;
+};
+template <>
+struct Bits<4> {
+  using type = unsigned int;
+};
+template <>
+struct Bits<8> {
+  using type = uint2;
+};
+template <>
+struct Bits<16> {
+  using type = uint4;
+};
+
+// Loads VEC contiguous elements as floats: one vector load when `aligned`, else VEC
+// scalar loads. Both give the same values, so alignment never changes results.
+template <typename T, int VEC>
+__device__ __forceinline__ void LoadVec(const typename Dev<T>::Raw* p, bool aligned,
+                                        float (&out)[VEC]) {
+  using Raw = typename Dev<T>::Raw;
+  if (VEC == 1 || aligned) {
+    using V = typename Bits<sizeof(Raw) * VEC>::type;
+    union {
+      V v;
+      Raw r[VEC];
+    } u;
+    u.v = __ldg(reinterpret_cast<const V*>(p));
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) out[v] = Dev<T>::ToF(u.r[v]);
+  } else {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) out[v] = Dev<T>::ToF(__ldg(p + v));
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void StoreVec(typename Dev<T>::Raw* p, bool aligned,
+                                         const float (&in)[VEC]) {
+  using Raw = typename Dev<T>::Raw;
+  if (VEC == 1 || aligned) {
+    using V = typename Bits<sizeof(Raw) * VEC>::type;
+    union {
+      V v;
+      Raw r[VEC];
+    } u;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) u.r[v] = Dev<T>::FromF(in[v]);
+    *reinterpret_cast<V*>(p) = u.v;
+  } else {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) p[v] = Dev<T>::FromF(in[v]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Kernel parameters (passed by value).
+struct KParams {
+  const void* dy;
+  const void* x;
+  void* dx;
+  const float* scale;
+  const float* mean;
+  const float* var;
+  float* p1;        // partial sum(dy)            [G, C]
+  float* p2;        // partial sum(dy * (x-mean)) [G, C]
+  float* coef_k;    // training: [C]
+  float* coef_mdy;  // training: [C]
+  float* coef_q;    // training: [C]
+  float* dscale;
+  float* doffset;
+  int64_t C;
+  int64_t inner;    // channels-first only
+  int64_t M;        // channels-last: rows (= outer); channels-first: outer * inner
+  int64_t G;        // chunks per channel
+  int64_t chunk;    // channels-last: rows per chunk; channels-first: elements (x8)
+  int64_t ctn;      // channels-last: channel tiles
+  int64_t nblocks;  // logical blocks of a pass
+  float eps;
+  float inv_m;      // 1 / M, for the training coefficients
+  int bx;           // channels-last: threads along the channels (power of 2, <= 32)
+  int aligned;      // dy, x, dx aligned for VEC-wide vector accesses
+  int inv_std;      // reserve_space_2 already holds 1/sqrt(var + eps)
+  int training;
+};
+
+__device__ __forceinline__ float InvStd(const KParams& p, int64_t c) {
+  if (p.training && p.inv_std) return p.var[c];
+  return 1.0f / sqrtf(p.var[c] + p.eps);  // IEEE sqrt and division (no fast math)
+}
+
+template <int kMode>
+__device__ __forceinline__ void ChannelCoefs(const KParams& p, int64_t c, float& mean,
+                                             float& a, float& b, float& q) {
+  mean = p.mean[c];
+  a = 0.f;
+  b = 0.f;
+  q = 0.f;
+  if (kMode == kReduceScale) {
+    a = p.scale[c] * InvStd(p, c);
+  } else if (kMode == kApply) {
+    a = p.coef_k[c];
+    b = p.coef_mdy[c];
+    q = p.coef_q[c];
+  }
+}
+
+template <int kMode>
+__device__ __forceinline__ float Dx(float dy, float x, float mean, float a, float b,
+                                    float q) {
+  if (kMode == kReduceScale) return dy * a;
+  return a * ((dy - b) - (x - mean) * q);
+}
+
+__device__ __forceinline__ float WarpSum(float s) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffffu, s, off);
+  return s;  // complete in lane 0
+}
+
+// ---------------------------------------------------------------------------------------
+// Channels-last pass over [rows, C].
+template <typename T, int VEC, int kMode>
+__global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
+  using Raw = typename Dev<T>::Raw;
+  constexpr int U = VEC >= 4 ? 2 : 4;  // rows in flight per thread
+  constexpr bool kSums = kMode != kApply;
+  constexpr bool kWriteDx = kMode != kReduce;
+  __shared__ float sm1[kSums ? kThreads * VEC : 1];
+  __shared__ float sm2[kSums ? kThreads * VEC : 1];
+
+  const Raw* __restrict__ dy = static_cast<const Raw*>(p.dy);
+  const Raw* __restrict__ x = static_cast<const Raw*>(p.x);
+  Raw* __restrict__ dx = static_cast<Raw*>(p.dx);
+  const bool aligned = p.aligned != 0;
+  const int bx = p.bx;
+  const int by = kThreads / bx;
+  const int tx = static_cast<int>(threadIdx.x) % bx;
+  const int ty = static_cast<int>(threadIdx.x) / bx;
+  const int64_t ct = static_cast<int64_t>(bx) * VEC;
+  const int64_t C = p.C;
+
+  for (int64_t b = blockIdx.x; b < p.nblocks; b += gridDim.x) {
+    const int64_t tile = b % p.ctn;
+    const int64_t g = b / p.ctn;
+    const int64_t c0 = tile * ct + static_cast<int64_t>(tx) * VEC;
+    const bool active = c0 < C;  // C % VEC == 0: a vector is all in or all out
+    const int64_t r_begin = g * p.chunk;
+    const int64_t r_end = min(p.M, r_begin + p.chunk);
+
+    float s1[VEC], s2[VEC], mean[VEC], ca[VEC], cb[VEC], cq[VEC];
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      s1[v] = 0.f;
+      s2[v] = 0.f;
+      mean[v] = ca[v] = cb[v] = cq[v] = 0.f;
+    }
+    if (active) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) ChannelCoefs<kMode>(p, c0 + v, mean[v], ca[v], cb[v], cq[v]);
+
+      int64_t r = r_begin + ty;
+      const int64_t step = static_cast<int64_t>(by);
+      // U rows at a time (loads first), then the rest one by one: the same order as a
+      // plain loop r, r + by, r + 2*by, ...
+      for (; r + (U - 1) * step < r_end; r += U * step) {
+        float fdy[U][VEC], fx[U][VEC];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t off = (r + u * step) * C + c0;
+          LoadVec<T, VEC>(dy + off, aligned, fdy[u]);
+          LoadVec<T, VEC>(x + off, aligned, fx[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float out[VEC];
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) {
+            if (kSums) {
+              s1[v] += fdy[u][v];
+              s2[v] += fdy[u][v] * (fx[u][v] - mean[v]);
+            }
+            if (kWriteDx) out[v] = Dx<kMode>(fdy[u][v], fx[u][v], mean[v], ca[v], cb[v], cq[v]);
+          }
+          if (kWriteDx) StoreVec<T, VEC>(dx + (r + u * step) * C + c0, aligned, out);
+        }
+      }
+      for (; r < r_end; r += step) {
+        float fdy[VEC], fx[VEC], out[VEC];
+        const int64_t off = r * C + c0;
+        LoadVec<T, VEC>(dy + off, aligned, fdy);
+        LoadVec<T, VEC>(x + off, aligned, fx);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          if (kSums) {
+            s1[v] += fdy[v];
+            s2[v] += fdy[v] * (fx[v] - mean[v]);
+          }
+          if (kWriteDx) out[v] = Dx<kMode>(fdy[v], fx[v], mean[v], ca[v], cb[v], cq[v]);
+        }
+        if (kWriteDx) StoreVec<T, VEC>(dx + off, aligned, out);
+      }
+    }
+
+    if (kSums) {
+      // Slot of (tx, ty, v) is ty * ct + tx * VEC + v == threadIdx.x * VEC + v.
+      const int base = static_cast<int>(threadIdx.x) * VEC;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        sm1[base + v] = s1[v];
+        sm2[base + v] = s2[v];
+      }
+      // Fixed tree over ty (by is a power of two).
+      for (int s = by / 2; s > 0; s >>= 1) {
+        __syncthreads();
+        if (ty < s) {
+          const int other = base + s * static_cast<int>(ct);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) {
+            sm1[base + v] += sm1[other + v];
+            sm2[base + v] += sm2[other + v];
+          }
+        }
+      }
+      if (ty == 0 && active) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          p.p1[g * C + c0 + v] = sm1[base + v];
+          p.p2[g * C + c0 + v] = sm2[base + v];
+        }
+      }
+      __syncthreads();  // shared memory is reused by the next logical block
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Channels-first pass over [outer, C, inner], inner % VEC == 0.
+template <typename T, int VEC, int kMode>
+__global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
+  using Raw = typename Dev<T>::Raw;
+  constexpr int U = VEC >= 4 ? 2 : 4;
+  constexpr bool kSums = kMode != kApply;
+  constexpr bool kWriteDx = kMode != kReduce;
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float red1[kWarps];
+  __shared__ float red2[kWarps];
+
+  const Raw* __restrict__ dy = static_cast<const Raw*>(p.dy);
+  const Raw* __restrict__ x = static_cast<const Raw*>(p.x);
+  Raw* __restrict__ dx = static_cast<Raw*>(p.dx);
+  const bool aligned = p.aligned != 0;
+  const int64_t C = p.C;
+  const int64_t inner_v = p.inner / VEC;        // vector units per (outer, channel) run
+  const int64_t m_v = p.M / VEC;                // vector units per channel
+  const int64_t chunk_v = p.chunk / VEC;        // vector units per chunk
+  const int64_t step_o = kThreads / inner_v;    // advance of the thread's unit index j by
+  const int64_t step_i = kThreads % inner_v;    //   kThreads, as (outer, inner) steps
+  const int64_t stride_o = C * p.inner;         // elements between consecutive outer
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+
+  for (int64_t b = blockIdx.x; b < p.nblocks; b += gridDim.x) {
+    const int64_t c = b / p.G;
+    const int64_t g = b % p.G;
+    const int64_t j_end = min(m_v, (g + 1) * chunk_v);
+    float mean, ca, cb, cq;
+    ChannelCoefs<kMode>(p, c, mean, ca, cb, cq);
+    const Raw* dyc = dy + c * p.inner;
+    const Raw* xc = x + c * p.inner;
+    Raw* dxc = dx + c * p.inner;
+
+    float s1 = 0.f, s2 = 0.f;
+    int64_t j = g * chunk_v + tid;
+    int64_t o = j / inner_v;
+    int64_t iv = j - o * inner_v;
+    while (j < j_end) {
+      int64_t offs[U];
+      bool valid[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        valid[u] = j < j_end;
+        offs[u] = o * stride_o + iv * VEC;
+        j += kThreads;
+        iv += step_i;
+        o += step_o;
+        if (iv >= inner_v) {
+          iv -= inner_v;
+          ++o;
+        }
+      }
+      float fdy[U][VEC], fx[U][VEC];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (valid[u]) {
+          LoadVec<T, VEC>(dyc + offs[u], aligned, fdy[u]);
+          LoadVec<T, VEC>(xc + offs[u], aligned, fx[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (valid[u]) {
+          float out[VEC];
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) {
+            if (kSums) {
+              s1 += fdy[u][v];
+              s2 += fdy[u][v] * (fx[u][v] - mean);
+            }
+            if (kWriteDx) out[v] = Dx<kMode>(fdy[u][v], fx[u][v], mean, ca, cb, cq);
+          }
+          if (kWriteDx) StoreVec<T, VEC>(dxc + offs[u], aligned, out);
+        }
+      }
+    }
+
+    if (kSums) {
+      s1 = WarpSum(s1);
+      s2 = WarpSum(s2);
+      if (lane == 0) {
+        red1[warp] = s1;
+        red2[warp] = s2;
+      }
+      __syncthreads();
+      if (warp == 0) {
+        float t1 = lane < kWarps ? red1[lane] : 0.f;
+        float t2 = lane < kWarps ? red2[lane] : 0.f;
+        t1 = WarpSum(t1);
+        t2 = WarpSum(t2);
+        if (lane == 0) {
+          p.p1[g * C + c] = t1;
+          p.p2[g * C + c] = t2;
+        }
+      }
+      __syncthreads();  // red1/red2 are reused by the next logical block
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// One warp per channel: combines the G partial sums (lane l sums g = l, l+32, ... in
+// order, then a fixed shuffle tree), writes dscale/doffset and the training coefficients.
+__global__ void __launch_bounds__(kThreads) Finalize(const KParams p) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t warps_total = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  const int64_t C = p.C;
+  for (int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32; c < C;
+       c += warps_total) {
+    float s1 = 0.f, s2 = 0.f;
+    for (int64_t g = lane; g < p.G; g += 32) {
+      s1 += p.p1[g * C + c];
+      s2 += p.p2[g * C + c];
+    }
+    s1 = WarpSum(s1);
+    s2 = WarpSum(s2);
+    if (lane == 0) {
+      const float inv = InvStd(p, c);
+      p.dscale[c] = inv * s2;
+      p.doffset[c] = s1;
+      if (p.training) {
+        p.coef_k[c] = p.scale[c] * inv;
+        p.coef_mdy[c] = s1 * p.inv_m;
+        p.coef_q[c] = inv * inv * s2 * p.inv_m;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Host side.
+
+// Chunking: a function of the shape alone (not of T, the device or the pointers).
+struct Plan {
+  bool channels_last = true;
+  int64_t M = 0;      // rows (channels-last) or elements per channel (channels-first)
+  int64_t G = 1;      // chunks per channel
+  int64_t chunk = 0;  // rows or elements per chunk
+  int64_t ws_floats = 0;
+};
+
+Plan MakePlan(const BnGradParams& params) {
+  Plan plan;
+  const BnShape& s = params.shape;
+  if (s.elements() <= 0 || s.channels <= 0) return plan;
+  const int64_t C = s.channels;
+  plan.channels_last = s.inner == 1;
+  if (plan.channels_last) {
+    plan.M = s.outer;
+    const int64_t tiles = CeilDiv(C, kNominalTile);
+    const int64_t g_max = std::max<int64_t>(1, CeilDiv(plan.M * std::min(C, kNominalTile),
+                                                       kMinBlockElems));
+    int64_t g = std::min(std::max<int64_t>(1, CeilDiv(kTargetBlocks, tiles)), g_max);
+    g = std::min(g, plan.M);
+    plan.chunk = CeilDiv(plan.M, g);
+    plan.G = CeilDiv(plan.M, plan.chunk);
+  } else {
+    plan.M = s.outer * s.inner;
+    const int64_t g_max = std::max<int64_t>(1, CeilDiv(plan.M, kMinBlockElems));
+    const int64_t g = std::min(std::max<int64_t>(1, CeilDiv(kTargetBlocks, C)), g_max);
+    plan.chunk = CeilDiv(CeilDiv(plan.M, g), kChunkAlign) * kChunkAlign;
+    plan.G = CeilDiv(plan.M, plan.chunk);
+  }
+  plan.ws_floats = 2 * plan.G * C + (params.is_training ? 3 * C : 0);
+  return plan;
+}
+
+template <typename T>
+constexpr int MaxVec() {
+  return sizeof(T) == 4 ? 4 : 8;
+}
+
+bool Aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+int GridFor(int64_t blocks) {
+  return static_cast<int>(std::max<int64_t>(1, std::min(blocks, kMaxGrid)));
+}
+
+template <typename T, int VEC, int kMode>
+void LaunchPass(const KParams& kp, bool channels_last, cudaStream_t stream) {
+  const int grid = GridFor(kp.nblocks);
+  if (channels_last) {
+    PassChannelsLast<T, VEC, kMode><<<grid, kThreads, 0, stream>>>(kp);
+  } else {
+    PassChannelsFirst<T, VEC, kMode><<<grid, kThreads, 0, stream>>>(kp);
+  }
+}
+
+template <typename T, int VEC>
+int RunWithVec(const Plan& plan, KParams kp, bool training, cudaStream_t stream) {
+  if (plan.channels_last) {
+    const int64_t nv = kp.C / VEC;
+    int bx = 1;
+    while (bx < 32 && bx < nv) bx *= 2;
+    kp.bx = bx;
+    kp.ctn = CeilDiv(kp.C, static_cast<int64_t>(bx) * VEC);
+    kp.nblocks = kp.ctn * plan.G;
+  } else {
+    kp.bx = 1;
+    kp.ctn = 1;
+    kp.nblocks = kp.C * plan.G;
+  }
+  const int fin_grid = GridFor(CeilDiv(kp.C, kThreads / 32));
+  if (training) {
+    LaunchPass<T, VEC, kReduce>(kp, plan.channels_last, stream);
+    Finalize<<<fin_grid, kThreads, 0, stream>>>(kp);
+    LaunchPass<T, VEC, kApply>(kp, plan.channels_last, stream);
+  } else {
+    LaunchPass<T, VEC, kReduceScale>(kp, plan.channels_last, stream);
+    Finalize<<<fin_grid, kThreads, 0, stream>>>(kp);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+size_t BnGradCudaWorkspaceBytes(const BnGradParams& params) {
+  return static_cast<size_t>(MakePlan(params).ws_floats) * sizeof(float);
+}
+
+template <typename T>
+int BnGradCuda(const BnGradParams& params, const BnGradArgs<T>& args, void* workspace,
+               size_t workspace_bytes, void* stream) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const BnShape& shape = params.shape;
+  if (shape.channels < 0 || shape.outer < 0 || shape.inner < 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  const int64_t C = shape.channels;
+  if (C == 0) return static_cast<int>(cudaSuccess);
+  if (args.dscale == nullptr || args.doffset == nullptr) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  if (shape.elements() == 0) {
+    cudaError_t e = cudaMemsetAsync(args.dscale, 0, sizeof(float) * C, st);
+    if (e == cudaSuccess) e = cudaMemsetAsync(args.doffset, 0, sizeof(float) * C, st);
+    return static_cast<int>(e);
+  }
+  if (args.dy == nullptr || args.x == nullptr || args.dx == nullptr ||
+      args.scale == nullptr || args.saved_mean == nullptr || args.saved_var == nullptr) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+
+  const Plan plan = MakePlan(params);
+  const size_t need = static_cast<size_t>(plan.ws_floats) * sizeof(float);
+  if (workspace_bytes < need || (need > 0 && workspace == nullptr) ||
+      !Aligned(workspace, alignof(float))) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+
+  float* ws = static_cast<float*>(workspace);
+  KParams kp{};
+  kp.dy = args.dy;
+  kp.x = args.x;
+  kp.dx = args.dx;
+  kp.scale = args.scale;
+  kp.mean = args.saved_mean;
+  kp.var = args.saved_var;
+  kp.p1 = ws;
+  kp.p2 = ws + plan.G * C;
+  kp.coef_k = params.is_training ? ws + 2 * plan.G * C : nullptr;
+  kp.coef_mdy = params.is_training ? ws + 2 * plan.G * C + C : nullptr;
+  kp.coef_q = params.is_training ? ws + 2 * plan.G * C + 2 * C : nullptr;
+  kp.dscale = args.dscale;
+  kp.doffset = args.doffset;
+  kp.C = C;
+  kp.inner = shape.inner;
+  kp.M = plan.M;
+  kp.G = plan.G;
+  kp.chunk = plan.chunk;
+  kp.eps = params.epsilon;
+  kp.inv_m = static_cast<float>(1.0 / static_cast<double>(shape.per_channel()));
+  kp.inv_std = params.saved_stat == SavedStat::kInvStd ? 1 : 0;
+  kp.training = params.is_training ? 1 : 0;
+
+  // Vector width: the largest power of two (up to 16 bytes) dividing the contiguous run
+  // of a thread's elements (C for channels-last, inner for channels-first). It depends on
+  // the shape only; misaligned pointers keep it and just use scalar accesses.
+  const int64_t run = plan.channels_last ? C : shape.inner;
+  int vec = MaxVec<T>();
+  while (vec > 1 && run % vec != 0) vec /= 2;
+  const size_t vbytes = sizeof(T) * static_cast<size_t>(vec);
+  kp.aligned = (Aligned(args.dy, vbytes) && Aligned(args.x, vbytes) && Aligned(args.dx, vbytes))
+                   ? 1
+                   : 0;
+
+  const bool training = params.is_training;
+  switch (vec) {
+    case 8:
+      if constexpr (MaxVec<T>() >= 8) return RunWithVec<T, 8>(plan, kp, training, st);
+      break;
+    case 4:
+      return RunWithVec<T, 4>(plan, kp, training, st);
+    case 2:
+      return RunWithVec<T, 2>(plan, kp, training, st);
+    default:
+      return RunWithVec<T, 1>(plan, kp, training, st);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+const char* CudaErrorString(int error) {
+  return cudaGetErrorString(static_cast<cudaError_t>(error));
+}
+
+template int BnGradCuda<float>(const BnGradParams&, const BnGradArgs<float>&, void*, size_t,
+                               void*);
+template int BnGradCuda<half_t>(const BnGradParams&, const BnGradArgs<half_t>&, void*, size_t,
+                                void*);
+template int BnGradCuda<bfloat16_t>(const BnGradParams&, const BnGradArgs<bfloat16_t>&, void*,
+                                    size_t, void*);
+
+}  // namespace fbn

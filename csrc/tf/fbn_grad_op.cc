@@ -1,0 +1,237 @@
+// TensorFlow binding: registers our op and its CPU (and, with CUDA, GPU) kernels. All math
+// and all input checks live in csrc/core; this file only maps tensors to pointers.
+//
+// The op has the signature of TF's built-in FusedBatchNormGradV3 under a name of our own:
+// registering kernels for the built-in name breaks TF (duplicate registrations, or a crash
+// in the oneDNN graph rewrite), see README "Op name".
+#include <cstdint>
+#include <vector>
+
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/platform/threadpool.h"
+
+#include "../core/bn_grad.h"
+#if FBN_WITH_CUDA
+#include "../core/bn_grad_cuda.h"
+#include "xla/stream_executor/stream.h"
+#endif
+
+namespace fbn_tf {
+
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+// The one registered name. Python reads it from the library; keep README in sync.
+constexpr char kOpName[] = "FbnGrad>FusedBatchNormGradV3";
+
+REGISTER_OP("FbnGrad>FusedBatchNormGradV3")
+    .Input("y_backprop: T")
+    .Input("x: T")
+    .Input("scale: float")
+    .Input("reserve_space_1: U")
+    .Input("reserve_space_2: U")
+    .Input("reserve_space_3: U")
+    .Output("x_backprop: T")
+    .Output("scale_backprop: U")
+    .Output("offset_backprop: U")
+    .Output("reserve_space_4: U")
+    .Output("reserve_space_5: U")
+    .Attr("T: {half, bfloat16, float}")
+    .Attr("U: {float}")
+    .Attr("epsilon: float = 0.0001")
+    .Attr("data_format: { 'NHWC', 'NCHW', 'NDHWC', 'NCDHW' } = 'NHWC'")
+    .Attr("is_training: bool = true")
+    // TF's own shape function for FusedBatchNormGradV3: identical inference by construction.
+    .SetShapeFn(tensorflow::shape_inference::FusedBatchNormGradShape)
+    .Doc(R"doc(
+Batch-normalization backward with the semantics of FusedBatchNormGradV3, computed by
+fbn_grad_tf's own kernels. reserve_space_2 holds the batch variance when the forward ran on
+CPU and the inverse standard deviation when it ran on GPU (cuDNN convention); the kernel of
+the device it runs on assumes that device's convention. reserve_space_3 is accepted in any
+shape and ignored. reserve_space_4/5 are empty [0] tensors.
+)doc");
+
+// TF element type -> core storage type.
+template <typename T>
+struct CoreType;
+template <>
+struct CoreType<float> {
+  using type = float;
+};
+template <>
+struct CoreType<Eigen::half> {
+  using type = fbn::half_t;
+};
+template <>
+struct CoreType<Eigen::bfloat16> {
+  using type = fbn::bfloat16_t;
+};
+
+// Runs core tasks on the op's intra-op thread pool (honours
+// tf.config.threading.set_intra_op_parallelism_threads).
+class IntraOpRunner : public fbn::TaskRunner {
+ public:
+  explicit IntraOpRunner(tensorflow::thread::ThreadPool* pool) : pool_(pool) {}
+  void Run(int64_t num_tasks, int64_t cost_per_task,
+           const std::function<void(int64_t, int64_t)>& fn) const override {
+    // ~4 cycles per element and pass is a fair cost model for a bandwidth-bound kernel.
+    pool_->ParallelFor(num_tasks, cost_per_task * 4, [&fn](int64_t b, int64_t e) { fn(b, e); });
+  }
+
+ private:
+  tensorflow::thread::ThreadPool* pool_;
+};
+
+std::vector<int64_t> Dims(const Tensor& t) {
+  std::vector<int64_t> d(t.dims());
+  for (int i = 0; i < t.dims(); ++i) d[i] = t.dim_size(i);
+  return d;
+}
+
+// Shared by the CPU and GPU kernels: attrs, validation, output allocation.
+class FbnGradOpBase : public OpKernel {
+ public:
+  explicit FbnGradOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string format;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &epsilon_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("data_format", &format));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("is_training", &is_training_));
+    OP_REQUIRES(ctx, fbn::ParseDataFormat(format, &format_),
+                tensorflow::errors::InvalidArgument("Invalid data format: ", format));
+  }
+
+ protected:
+  struct Prepared {
+    fbn::BnGradParams params;
+    Tensor* dx = nullptr;
+    Tensor* dscale = nullptr;
+    Tensor* doffset = nullptr;
+  };
+
+  // Validates the inputs and allocates every output. Returns false if ctx holds an error.
+  bool Prepare(OpKernelContext* ctx, fbn::SavedStat training_stat, Prepared* p) {
+    const Tensor& dy = ctx->input(0);
+    const Tensor& x = ctx->input(1);
+    const Tensor& scale = ctx->input(2);
+    const fbn::ValidationResult v =
+        fbn::ValidateBnGradInputs(Dims(dy), Dims(x), Dims(scale), Dims(ctx->input(3)),
+                                  Dims(ctx->input(4)), format_, epsilon_);
+    if (!CheckValid(ctx, v)) return false;
+    const int64_t C = v.shape.channels;
+    Tensor* unused = nullptr;
+    if (!Allocate(ctx, 0, x.shape(), &p->dx) ||
+        !Allocate(ctx, 1, TensorShape({C}), &p->dscale) ||
+        !Allocate(ctx, 2, TensorShape({C}), &p->doffset) ||
+        !Allocate(ctx, 3, TensorShape({0}), &unused) ||
+        !Allocate(ctx, 4, TensorShape({0}), &unused)) {
+      return false;
+    }
+    p->params.shape = v.shape;
+    p->params.epsilon = epsilon_;
+    p->params.is_training = is_training_;
+    p->params.saved_stat = training_stat;
+    return true;
+  }
+
+  template <typename T>
+  static fbn::BnGradArgs<typename CoreType<T>::type> Args(OpKernelContext* ctx, Prepared* p) {
+    using CT = typename CoreType<T>::type;
+    fbn::BnGradArgs<CT> a;
+    a.dy = reinterpret_cast<const CT*>(ctx->input(0).flat<T>().data());
+    a.x = reinterpret_cast<const CT*>(ctx->input(1).flat<T>().data());
+    a.scale = ctx->input(2).flat<float>().data();
+    a.saved_mean = ctx->input(3).flat<float>().data();
+    a.saved_var = ctx->input(4).flat<float>().data();
+    a.dx = reinterpret_cast<CT*>(p->dx->flat<T>().data());
+    a.dscale = p->dscale->flat<float>().data();
+    a.doffset = p->doffset->flat<float>().data();
+    return a;
+  }
+
+ private:
+  static bool Allocate(OpKernelContext* ctx, int i, const TensorShape& s, Tensor** out) {
+    const absl::Status st = ctx->allocate_output(i, s, out);
+    if (!st.ok()) ctx->SetStatus(st);
+    return st.ok();
+  }
+  static bool CheckValid(OpKernelContext* ctx, const fbn::ValidationResult& v) {
+    if (!v.ok) ctx->SetStatus(tensorflow::errors::InvalidArgument(v.error));
+    return v.ok;
+  }
+
+  float epsilon_ = 1e-4f;
+  bool is_training_ = true;
+  fbn::DataFormat format_ = fbn::DataFormat::kNHWC;
+};
+
+template <typename T>
+class FbnGradCpuOp : public FbnGradOpBase {
+ public:
+  using FbnGradOpBase::FbnGradOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    Prepared p;
+    if (!Prepare(ctx, fbn::SavedStat::kVariance, &p)) return;
+    IntraOpRunner runner(ctx->device()->tensorflow_cpu_worker_threads()->workers);
+    fbn::BnGradCpu(p.params, Args<T>(ctx, &p), runner, fbn::DefaultCpuIsa());
+  }
+};
+
+#define FBN_REGISTER_CPU(T)                                                                 \
+  REGISTER_KERNEL_BUILDER(                                                                  \
+      Name(kOpName).Device(tensorflow::DEVICE_CPU).TypeConstraint<T>("T").TypeConstraint<float>( \
+          "U"),                                                                             \
+      FbnGradCpuOp<T>);
+FBN_REGISTER_CPU(float)
+FBN_REGISTER_CPU(Eigen::half)
+FBN_REGISTER_CPU(Eigen::bfloat16)
+#undef FBN_REGISTER_CPU
+
+#if FBN_WITH_CUDA
+// GPU kernel: TF's GPU forward stores the inverse std in reserve_space_2 (cuDNN), so the
+// training path reads it as such. Launched on the op's compute stream.
+template <typename T>
+class FbnGradGpuOp : public FbnGradOpBase {
+ public:
+  using FbnGradOpBase::FbnGradOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    Prepared p;
+    if (!Prepare(ctx, fbn::SavedStat::kInvStd, &p)) return;
+    auto* dev_ctx = ctx->op_device_context();
+    OP_REQUIRES(ctx, dev_ctx != nullptr && dev_ctx->stream() != nullptr,
+                tensorflow::errors::Internal("No GPU stream available"));
+    void* stream = dev_ctx->stream()->platform_specific_handle().stream;
+    const size_t ws_bytes = fbn::BnGradCudaWorkspaceBytes(p.params);
+    Tensor workspace;
+    void* ws = nullptr;
+    if (ws_bytes > 0) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT8,
+                                             TensorShape({static_cast<int64_t>(ws_bytes)}),
+                                             &workspace));
+      ws = workspace.flat<uint8_t>().data();
+    }
+    const int err = fbn::BnGradCuda(p.params, Args<T>(ctx, &p), ws, ws_bytes, stream);
+    OP_REQUIRES(ctx, err == 0,
+                tensorflow::errors::Internal("fbn_grad_tf CUDA kernel launch failed: ",
+                                             fbn::CudaErrorString(err)));
+  }
+};
+
+#define FBN_REGISTER_GPU(T)                                                                 \
+  REGISTER_KERNEL_BUILDER(Name(kOpName)                                                     \
+                              .Device(tensorflow::DEVICE_GPU)                               \
+                              .TypeConstraint<T>("T")                                       \
+                              .TypeConstraint<float>("U"),                                  \
+                          FbnGradGpuOp<T>);
+FBN_REGISTER_GPU(float)
+FBN_REGISTER_GPU(Eigen::half)
+FBN_REGISTER_GPU(Eigen::bfloat16)
+#undef FBN_REGISTER_GPU
+#endif  // FBN_WITH_CUDA
+
+}  // namespace fbn_tf
