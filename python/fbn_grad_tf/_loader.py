@@ -40,8 +40,15 @@ def _library_path():
     return found[0]
 
 
-build_info = _check_build()
-library_path = _library_path()
+_external = os.environ.get("FBN_GRAD_TF_LIBRARY")
+if _external:
+    # A library built elsewhere (e.g. with Bazel in a TF source tree, see BUILD): its ABI
+    # match with the running TF is the builder's responsibility.
+    build_info = None
+    library_path = _external
+else:
+    build_info = _check_build()
+    library_path = _library_path()
 library = tf.load_op_library(library_path)
 # tf.load_op_library names the Python wrapper after the op: "FbnGrad>FusedBatchNormGradV3"
 # becomes fbn_grad_fused_batch_norm_grad_v3.
