@@ -27,6 +27,9 @@ CORE_SOURCES = [
     "csrc/core/cpu/bn_grad_cpu_avx512.cc",
 ]
 CUDA_SOURCES = ["csrc/core/bn_grad_cuda.cu"]
+# Rebuild triggers beyond the sources themselves.
+DEPENDS = ["csrc/core/bn_grad.h", "csrc/core/bn_grad_cuda.h",
+           "csrc/core/cpu/bn_grad_cpu_kernels.inc"]
 # Same arch list in BUILD. nvcc 13 has no sm_70; PTX of sm_90 for newer GPUs.
 CUDA_GENCODE = [
     "-gencode=arch=compute_75,code=sm_75",
@@ -105,6 +108,16 @@ class BuildExt(build_ext):
     """Per-file ISA flags for the CPU kernels, nvcc for .cu files."""
 
     def build_extension(self, ext):
+        # Both extensions compile the core sources (with different flags): give each its own
+        # object directory, and build extensions one at a time (see run()).
+        base_temp = self.build_temp
+        self.build_temp = os.path.join(base_temp, ext.name)
+        try:
+            self._build_extension(ext)
+        finally:
+            self.build_temp = base_temp
+
+    def _build_extension(self, ext):
         compiler = self.compiler
         if ".cu" not in compiler.src_extensions:
             compiler.src_extensions.append(".cu")
@@ -131,6 +144,7 @@ class BuildExt(build_ext):
             compiler._compile = original_compile
 
     def run(self):
+        self.parallel = None  # per-extension build_temp is not thread-safe
         write_build_info()
         super().run()
 
@@ -152,6 +166,7 @@ extensions = [
         "fbn_grad_tf._core",
         sources=["csrc/py/core_module.cc"] + core_sources,
         include_dirs=[pybind_include(), os.path.join(ROOT, "csrc")] + cuda_inc,
+        depends=DEPENDS,
         define_macros=cuda_defs,
         extra_compile_args=COMMON_FLAGS + SAN_FLAGS,
         extra_link_args=cuda_link + SAN_FLAGS,
@@ -164,6 +179,7 @@ if BUILD == "all":
             "fbn_grad_tf._fbn_grad_ops",
             sources=["csrc/tf/fbn_grad_op.cc"] + core_sources,
             include_dirs=[os.path.join(ROOT, "csrc")] + cuda_inc,
+            depends=DEPENDS,
             define_macros=cuda_defs,
             extra_compile_args=COMMON_FLAGS + TF_CFLAGS + SAN_FLAGS,
             extra_link_args=TF_LFLAGS + cuda_link + SAN_FLAGS,

@@ -19,8 +19,8 @@
 // the element type), so results are bitwise identical from run to run. No atomics.
 //
 // Workspace (floats, contiguous, exact size from BnGradCudaWorkspaceBytes):
-//   [0,        G*C)   partial sum(dy)            indexed [g * C + c]
-//   [G*C,    2*G*C)   partial sum(dy * (x-mean)) indexed [g * C + c]
+//   [0,        G*C)   partial sum(dy)            indexed [c * G + g]
+//   [G*C,    2*G*C)   partial sum(dy * (x-mean)) indexed [c * G + g]
 //   training only:
 //   [2GC,    2GC+C)   k[c]   = scale * inv
 //   [2GC+C,  2GC+2C)  mdy[c] = sum(dy) / M
@@ -39,7 +39,7 @@ namespace {
 
 constexpr int kThreads = 256;               // threads per block of every kernel
 constexpr int64_t kTargetBlocks = 1024;     // roughly one full wave on a large GPU
-constexpr int64_t kMinBlockElems = 8192;    // least work of a reduction block
+constexpr int64_t kMinBlockElems = 4096;    // least work of a reduction block
 constexpr int64_t kNominalTile = 128;       // channels-last: channels per tile (for G only)
 constexpr int64_t kChunkAlign = 8;          // channels-first chunk: multiple of any VEC
 constexpr int64_t kMaxGrid = int64_t{1} << 30;
@@ -147,8 +147,8 @@ struct KParams {
   const float* scale;
   const float* mean;
   const float* var;
-  float* p1;        // partial sum(dy)            [G, C]
-  float* p2;        // partial sum(dy * (x-mean)) [G, C]
+  float* p1;        // partial sum(dy)            [C, G]
+  float* p2;        // partial sum(dy * (x-mean)) [C, G]
   float* coef_k;    // training: [C]
   float* coef_mdy;  // training: [C]
   float* coef_q;    // training: [C]
@@ -310,8 +310,8 @@ __global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
       if (ty == 0 && active) {
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
-          p.p1[g * C + c0 + v] = sm1[base + v];
-          p.p2[g * C + c0 + v] = sm2[base + v];
+          p.p1[(c0 + v) * p.G + g] = sm1[base + v];
+          p.p2[(c0 + v) * p.G + g] = sm2[base + v];
         }
       }
       __syncthreads();  // shared memory is reused by the next logical block
@@ -414,8 +414,8 @@ __global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
         t1 = WarpSum(t1);
         t2 = WarpSum(t2);
         if (lane == 0) {
-          p.p1[g * C + c] = t1;
-          p.p2[g * C + c] = t2;
+          p.p1[c * p.G + g] = t1;
+          p.p2[c * p.G + g] = t2;
         }
       }
       __syncthreads();  // red1/red2 are reused by the next logical block
@@ -434,8 +434,8 @@ __global__ void __launch_bounds__(kThreads) Finalize(const KParams p) {
        c += warps_total) {
     float s1 = 0.f, s2 = 0.f;
     for (int64_t g = lane; g < p.G; g += 32) {
-      s1 += p.p1[g * C + c];
-      s2 += p.p2[g * C + c];
+      s1 += p.p1[c * p.G + g];
+      s2 += p.p2[c * p.G + g];
     }
     s1 = WarpSum(s1);
     s2 = WarpSum(s2);

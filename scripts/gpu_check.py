@@ -1,0 +1,654 @@
+#!/usr/bin/env python3
+"""GPU check of fbn_grad_tf's CUDA kernels on a machine with PyTorch (CUDA) and no TensorFlow.
+
+Run through scripts/gpu_check.sh (which builds fbn_grad_tf._core with CUDA first), or
+directly with PYTHONPATH=python once the module is built:
+
+    python scripts/gpu_check.py               # numerics + determinism + benchmark
+    python scripts/gpu_check.py --skip-bench  # numerics + determinism only
+    python scripts/gpu_check.py --cpu-only    # CPU kernel vs float64 reference (no GPU)
+
+Parts:
+  (a) numerics: CUDA kernel vs our CPU kernel vs a float64 NumPy reference, for
+      float32/float16/bfloat16 x NHWC/NCHW/NDHWC/NCDHW x {training (saved_stat variance and
+      inv_std), inference} over a small shape grid (C=1, C=7, C=1000, N*H*W=1, empty, ...).
+  (b) determinism: repeated CUDA runs are bitwise equal, also with misaligned pointers
+      (which take the scalar-load path of the same thread mapping).
+  (c) benchmark: training backward vs PyTorch's cuDNN (and native) batch-norm backward on
+      the ResNet-50 BN shapes at batch 32, interleaved CUDA-event timing, medians.
+Exit status: 0 when every numeric/determinism check passed, 1 otherwise (2: setup error).
+
+`reference_bn_grad` (float64, NumPy only) is importable from here for other tests.
+"""
+import argparse
+import itertools
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+try:
+    import ml_dtypes  # bfloat16 for NumPy (installed with TF, JAX, ...)
+except ImportError:  # pragma: no cover
+    ml_dtypes = None
+
+DATA_FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
+DTYPES = ("float32", "float16", "bfloat16")
+# (is_training, saved_stat) combinations.
+MODES = ((True, "variance"), (True, "inv_std"), (False, "variance"))
+
+# Per-dtype tolerances. dx (stored in the dtype): |err| <= rtol*|ref| + atol_frac*rtol*max|ref|
+# (output rounding alone is up to 1/2 ulp; a different float32 evaluation order may move it
+# by one more ulp). scale/offset backprop (float32 sums of the same rounded inputs):
+# |err| <= red_rtol*|ref| + red_mag*sum|terms|.
+DX_RTOL = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.6e-2}
+DX_ATOL_FRAC = 1e-2
+RED_RTOL = 1e-4
+RED_MAG = 2e-5
+
+# Logical shapes (N, spatial..., C); channels-first formats permute C to axis 1.
+SHAPES_4D = [
+    (2, 3, 4, 7), (4, 5, 5, 1), (2, 4, 4, 1000), (1, 1, 1, 1000), (1, 1, 1, 7), (1, 1, 1, 1),
+    (0, 3, 3, 8), (2, 0, 3, 8), (3, 17, 19, 24), (2, 1, 1, 2048), (1, 96, 96, 3),
+    (16, 32, 32, 32), (1, 256, 256, 1), (8, 14, 14, 64), (5, 7, 7, 6), (4, 32, 32, 200),
+    (3, 5, 5, 12), (2, 9, 9, 2),
+]
+SHAPES_5D = [
+    (2, 3, 4, 5, 7), (1, 2, 8, 8, 16), (0, 2, 2, 2, 4), (2, 1, 1, 1, 1000), (2, 4, 16, 16, 8),
+    (1, 1, 1, 1, 3),
+]
+RESNET50_SHAPES = [(32, 112, 112, 64), (32, 56, 56, 256), (32, 28, 28, 512), (32, 14, 14, 1024),
+                   (32, 7, 7, 2048)]
+
+
+# ---------------------------------------------------------------------------------------
+# float64 reference (NumPy only; reusable).
+def channel_axis(data_format, ndim):
+    return 1 if data_format in ("NCHW", "NCDHW") else ndim - 1
+
+
+def is_channels_first(data_format):
+    return data_format in ("NCHW", "NCDHW")
+
+
+def layout_shape(logical_shape, data_format):
+    """(N, spatial..., C) -> the tensor shape of `data_format`."""
+    s = tuple(logical_shape)
+    if is_channels_first(data_format):
+        return (s[0], s[-1]) + s[1:-1]
+    return s
+
+
+def to_f64(a):
+    """NumPy array (any float dtype incl. ml_dtypes.bfloat16) -> float64."""
+    return np.asarray(a).astype(np.float64)
+
+
+def reference_bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4,
+                      data_format="NHWC", is_training=True, saved_stat="variance"):
+    """FusedBatchNormGradV3 in float64. Returns (dx, dscale, doffset, dscale_mag, doffset_mag).
+
+    The *_mag arrays are sum|terms| of the reductions (for error bounds). reserve_space_2 is
+    the variance, or in training with saved_stat="inv_std" the inverse std 1/sqrt(var+eps).
+    """
+    dy = to_f64(y_backprop)
+    xx = to_f64(x)
+    ax = channel_axis(data_format, xx.ndim)
+    axes = tuple(i for i in range(xx.ndim) if i != ax)
+    bshape = [1] * xx.ndim
+    bshape[ax] = -1
+    gamma = to_f64(scale).reshape(bshape)
+    mean = to_f64(reserve_space_1).reshape(bshape)
+    s = to_f64(reserve_space_2)
+    if is_training and saved_stat == "inv_std":
+        inv_c = s
+    else:
+        inv_c = 1.0 / np.sqrt(s + np.float64(np.float32(epsilon)))
+    inv = inv_c.reshape(bshape)
+    channels = xx.shape[ax]
+    m = xx.size // channels if channels else 0
+    xc = xx - mean
+    s1 = dy.sum(axis=axes)
+    s2 = (dy * xc).sum(axis=axes)
+    dscale = inv_c * s2
+    doffset = s1
+    dscale_mag = np.abs(inv_c) * np.abs(dy * xc).sum(axis=axes)
+    doffset_mag = np.abs(dy).sum(axis=axes)
+    if xx.size == 0:
+        dx = np.zeros_like(xx)
+    elif is_training:
+        dx = gamma * inv * ((dy - s1.reshape(bshape) / m)
+                            - xc * inv * inv * s2.reshape(bshape) / m)
+    else:
+        dx = dy * gamma * inv
+    return dx, dscale, doffset, dscale_mag, doffset_mag
+
+
+def np_dtype(name):
+    if name == "float32":
+        return np.float32
+    if name == "float16":
+        return np.float16
+    if ml_dtypes is None:
+        raise RuntimeError("bfloat16 needs the ml_dtypes package")
+    return ml_dtypes.bfloat16
+
+
+def make_inputs(logical_shape, dtype, data_format, is_training, saved_stat, epsilon, rng):
+    """Random inputs as NumPy arrays: dy, x in `dtype`; scale, rs1, rs2 float32 [C]."""
+    shape = layout_shape(logical_shape, data_format)
+    ndim = len(shape)
+    ax = channel_axis(data_format, ndim)
+    c = shape[ax]
+    bshape = [1] * ndim
+    bshape[ax] = -1
+    mu = rng.uniform(-3, 3, c)
+    sigma = rng.uniform(0.5, 2.0, c)
+    x = (rng.standard_normal(shape) * sigma.reshape(bshape) + mu.reshape(bshape))
+    x = x.astype(np.float32).astype(np_dtype(dtype))
+    dy = rng.standard_normal(shape).astype(np.float32).astype(np_dtype(dtype))
+    scale = rng.normal(1.0, 0.5, c).astype(np.float32)
+    if is_training:
+        xf = to_f64(x)
+        axes = tuple(i for i in range(ndim) if i != ax)
+        if xf.size:
+            mean = xf.mean(axis=axes)
+            var = ((xf - mean.reshape(bshape)) ** 2).mean(axis=axes)
+        else:
+            mean = np.zeros(c)
+            var = np.ones(c)
+        rs1 = mean.astype(np.float32)
+        if saved_stat == "inv_std":
+            rs2 = (1.0 / np.sqrt(var + np.float64(np.float32(epsilon)))).astype(np.float32)
+        else:
+            rs2 = var.astype(np.float32)
+    else:
+        rs1 = (mu + rng.normal(0, 0.1, c)).astype(np.float32)
+        rs2 = (sigma ** 2 * rng.uniform(0.5, 1.5, c)).astype(np.float32)
+    return dict(dy=dy, x=x, scale=scale, rs1=rs1, rs2=rs2)
+
+
+# ---------------------------------------------------------------------------------------
+# Module access and array conversion.
+def load_bn_grad():
+    """The array-level bn_grad: fbn_grad_tf.core.bn_grad, else fbn_grad_tf._core.bn_grad."""
+    try:
+        from fbn_grad_tf import core as mod
+        fn = getattr(mod, "bn_grad", None)
+        if fn is not None:
+            return fn, bool(getattr(mod, "with_cuda", False))
+    except ImportError as e:
+        first_error = e
+    else:
+        first_error = None
+    try:
+        from fbn_grad_tf import _core as raw
+    except ImportError as e:
+        raise RuntimeError("cannot import fbn_grad_tf (core: %s; _core: %s); build it with "
+                           "scripts/gpu_check.sh or set PYTHONPATH=python" % (first_error, e))
+    if not hasattr(raw, "bn_grad"):
+        raise RuntimeError("fbn_grad_tf has no bn_grad function")
+    return raw.bn_grad, bool(getattr(raw, "with_cuda", False))
+
+
+def torch_dtype(torch, name):
+    return {"float32": torch.float32, "float16": torch.float16,
+            "bfloat16": torch.bfloat16}[name]
+
+
+def to_device(torch, a, misalign=False):
+    """NumPy array -> contiguous torch CUDA tensor with identical bits. misalign=True places
+    the data one element past an allocation start (not aligned for vector accesses)."""
+    a = np.ascontiguousarray(a)
+    if ml_dtypes is not None and a.dtype == ml_dtypes.bfloat16:
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a)
+    t = t.cuda()
+    if misalign:
+        base = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        mt = base[1:].view(t.shape)
+        mt.copy_(t)
+        return mt
+    return t
+
+
+def result_to_f64(obj):
+    """An output (NumPy array, torch tensor, __cuda_array_interface__ object) -> float64."""
+    if type(obj).__module__.split(".")[0] == "torch":
+        return obj.detach().float().cpu().numpy().astype(np.float64)
+    if hasattr(obj, "__cuda_array_interface__"):
+        import torch
+        return result_to_f64(torch.as_tensor(obj, device="cuda"))
+    return to_f64(obj)
+
+
+def result_bits(obj):
+    """Raw bits of a device output as a CPU NumPy integer array (for bitwise comparisons)."""
+    import torch
+    t = obj if isinstance(obj, torch.Tensor) else torch.as_tensor(obj, device="cuda")
+    t = t.contiguous()
+    int_type = {4: torch.int32, 2: torch.int16}[t.element_size()]
+    return t.view(int_type).cpu().numpy().copy()
+
+
+# ---------------------------------------------------------------------------------------
+# (a) numerics.
+class Stats:
+    def __init__(self):
+        self.n = 0
+        self.failed = 0
+        self.dx = 0.0      # max normalized |err| of dx (err / max|ref|)
+        self.red = 0.0     # max |err| / sum|terms| of dscale, doffset
+        self.rel = 0.0     # max relative error of dx over elements with |ref| > 1e-3 max|ref|
+
+    def update(self, dx_norm, red_norm, rel):
+        self.dx = max(self.dx, dx_norm)
+        self.red = max(self.red, red_norm)
+        self.rel = max(self.rel, rel)
+
+
+def compare(got, ref, dtype):
+    """Returns (ok, dx_norm, red_norm, rel, reason) for got=(dx, dscale, doffset) in float64."""
+    dx_ref, ds_ref, do_ref, ds_mag, do_mag = ref
+    dx, ds, do = got
+    reasons = []
+    if dx.shape != dx_ref.shape:
+        return False, math.inf, math.inf, math.inf, "dx shape %s != %s" % (dx.shape, dx_ref.shape)
+    if ds.shape != ds_ref.shape or do.shape != do_ref.shape:
+        return False, math.inf, math.inf, math.inf, "scale/offset backprop shape mismatch"
+    if dx_ref.size == 0:
+        ok = np.all(ds == 0) and np.all(do == 0)
+        return bool(ok), 0.0, 0.0, 0.0, "" if ok else "empty input: nonzero scale/offset grads"
+    rtol = DX_RTOL[dtype]
+    scale_ref = float(np.max(np.abs(dx_ref))) if dx_ref.size else 0.0
+    err = np.abs(dx - dx_ref)
+    if not np.all(np.isfinite(dx)):
+        reasons.append("dx has non-finite values")
+    bound = rtol * np.abs(dx_ref) + DX_ATOL_FRAC * rtol * scale_ref
+    if np.any(err > bound):
+        i = np.unravel_index(np.argmax(err - bound), err.shape)
+        reasons.append("dx%s=%r ref %r" % (tuple(int(v) for v in i), dx[i], dx_ref[i]))
+    dx_norm = float(err.max() / scale_ref) if scale_ref > 0 else float(err.max())
+    big = np.abs(dx_ref) > 1e-3 * scale_ref
+    rel = float((err[big] / np.abs(dx_ref[big])).max()) if np.any(big) else 0.0
+    red_norm = 0.0
+    for name, g, r, mag in (("scale_backprop", ds, ds_ref, ds_mag),
+                            ("offset_backprop", do, do_ref, do_mag)):
+        e = np.abs(g - r)
+        b = RED_RTOL * np.abs(r) + RED_MAG * mag + 1e-30
+        if not np.all(np.isfinite(g)) or np.any(e > b):
+            c = int(np.argmax(e - b))
+            reasons.append("%s[%d]=%r ref %r" % (name, c, g[c], r[c]))
+        red_norm = max(red_norm, float((e / (mag + 1e-30)).max()))
+    return not reasons, dx_norm, red_norm, rel, "; ".join(reasons)
+
+
+def numeric_cases():
+    for dtype, fmt, (training, stat) in itertools.product(DTYPES, DATA_FORMATS, MODES):
+        shapes = SHAPES_5D if fmt in ("NDHWC", "NCDHW") else SHAPES_4D
+        for s in shapes:
+            yield dtype, fmt, training, stat, s
+
+
+def run_numerics(bn_grad, torch, use_cuda, use_cpu, epsilon, seed, verbose):
+    rng = np.random.default_rng(seed)
+    stats = {}
+    failures = []
+    n_cases = 0
+    t0 = time.time()
+    for dtype, fmt, training, stat, shape in numeric_cases():
+        if dtype == "bfloat16" and ml_dtypes is None:
+            continue
+        n_cases += 1
+        inp = make_inputs(shape, dtype, fmt, training, stat, epsilon, rng)
+        ref = reference_bn_grad(inp["dy"], inp["x"], inp["scale"], inp["rs1"], inp["rs2"],
+                                epsilon, fmt, training, stat)
+        kw = dict(epsilon=epsilon, data_format=fmt, is_training=training, saved_stat=stat)
+        mode = ("train/" + stat) if training else "infer"
+        runs = []
+        if use_cpu:
+            runs.append(("cpu", lambda: bn_grad(inp["dy"], inp["x"], inp["scale"], inp["rs1"],
+                                                inp["rs2"], num_threads=0, isa="auto", **kw)))
+        if use_cuda:
+            def cuda_run():
+                d = {k: to_device(torch, v) for k, v in inp.items()}
+                out = bn_grad(d["dy"], d["x"], d["scale"], d["rs1"], d["rs2"], **kw)
+                torch.cuda.synchronize()
+                return out
+            runs.append(("cuda", cuda_run))
+        got_by_dev = {}
+        for dev, fn in runs:
+            key = (dtype, fmt, mode, dev)
+            st = stats.setdefault(key, Stats())
+            st.n += 1
+            try:
+                out = fn()
+                got = tuple(result_to_f64(o) for o in out)
+                ok, dxn, redn, rel, why = compare(got, ref, dtype)
+                got_by_dev[dev] = got
+            except Exception as e:  # noqa: BLE001 - report every kind of failure
+                ok, dxn, redn, rel, why = False, math.inf, math.inf, math.inf, repr(e)
+            st.update(dxn, redn, rel)
+            if not ok:
+                st.failed += 1
+                failures.append("%s %s %s %s shape=%s: %s" % (dev, dtype, fmt, mode,
+                                                              layout_shape(shape, fmt), why))
+            if verbose:
+                print("  %-4s %-8s %-5s %-15s %-22s dx %.2e red %.2e %s" % (
+                    dev, dtype, fmt, mode, layout_shape(shape, fmt), dxn, redn,
+                    "ok" if ok else "FAIL"))
+        if "cpu" in got_by_dev and "cuda" in got_by_dev:
+            a, b = got_by_dev["cpu"], got_by_dev["cuda"]
+            scale_ref = max(float(np.max(np.abs(ref[0]))) if ref[0].size else 0.0, 1e-30)
+            key = (dtype, fmt, mode, "cpu~cuda")
+            st = stats.setdefault(key, Stats())
+            st.n += 1
+            dxn = float(np.max(np.abs(a[0] - b[0]))) / scale_ref if a[0].size else 0.0
+            redn = max(float(np.max(np.abs(a[1] - b[1]) / (ref[3] + 1e-30))) if a[1].size else 0,
+                       float(np.max(np.abs(a[2] - b[2]) / (ref[4] + 1e-30))) if a[2].size else 0)
+            st.update(dxn, redn, 0.0)
+    print("(a) numerics: %d cases in %.1fs (tolerance dx rtol: %s; reductions %g*|ref| + %g*sum|terms|)"
+          % (n_cases, time.time() - t0, ", ".join("%s %g" % kv for kv in DX_RTOL.items()),
+             RED_RTOL, RED_MAG))
+    print("  %-8s %-6s %-16s %-8s %6s %6s %11s %11s %11s" % (
+        "dtype", "format", "mode", "device", "cases", "fail", "dx max/max", "dx max rel",
+        "red err/mag"))
+    for key in sorted(stats):
+        st = stats[key]
+        print("  %-8s %-6s %-16s %-8s %6d %6d %11.3e %11.3e %11.3e" % (
+            key[0], key[1], key[2], key[3], st.n, st.failed, st.dx, st.rel, st.red))
+    for f in failures[:40]:
+        print("  FAIL " + f)
+    if len(failures) > 40:
+        print("  ... %d more failures" % (len(failures) - 40))
+    total = sum(st.n for k, st in stats.items() if k[3] != "cpu~cuda")
+    return total, len(failures)
+
+
+# ---------------------------------------------------------------------------------------
+# (b) determinism.
+def run_determinism(bn_grad, torch, epsilon, seed, repeats=3):
+    rng = np.random.default_rng(seed + 1)
+    shapes = {4: [(8, 56, 56, 256), (1, 512, 512, 1), (4, 64, 64, 7), (2, 3, 3, 1000),
+                  (16, 7, 7, 2048)],
+              5: [(2, 8, 32, 32, 16)]}
+    checks = 0
+    bad = []
+    t0 = time.time()
+    for dtype, fmt, (training, stat) in itertools.product(DTYPES, DATA_FORMATS, MODES):
+        if dtype == "bfloat16" and ml_dtypes is None:
+            continue
+        for shape in shapes[5 if fmt in ("NDHWC", "NCDHW") else 4]:
+            inp = make_inputs(shape, dtype, fmt, training, stat, epsilon, rng)
+            kw = dict(epsilon=epsilon, data_format=fmt, is_training=training, saved_stat=stat)
+            d = {k: to_device(torch, v) for k, v in inp.items()}
+            outs = []
+            for _ in range(repeats):
+                o = bn_grad(d["dy"], d["x"], d["scale"], d["rs1"], d["rs2"], **kw)
+                outs.append([result_bits(t) for t in o])
+            # Same data at misaligned addresses: scalar loads, same mapping, same bits.
+            dm = dict(d)
+            dm["dy"] = to_device(torch, inp["dy"], misalign=True)
+            dm["x"] = to_device(torch, inp["x"], misalign=True)
+            o = bn_grad(dm["dy"], dm["x"], dm["scale"], dm["rs1"], dm["rs2"], **kw)
+            outs.append([result_bits(t) for t in o])
+            checks += 1
+            for i, other in enumerate(outs[1:], 1):
+                for name, a, b in zip(("dx", "scale_backprop", "offset_backprop"), outs[0], other):
+                    if a.shape != b.shape or not np.array_equal(a, b):
+                        what = "misaligned run" if i == repeats else "run %d" % i
+                        bad.append("%s %s %s/%s shape=%s: %s of %s differs from run 0" % (
+                            dtype, fmt, "train" if training else "infer", stat,
+                            layout_shape(shape, fmt), name, what))
+    torch.cuda.synchronize()
+    print("(b) determinism: %d configurations x (%d runs + 1 misaligned) in %.1fs: %s" % (
+        checks, repeats, time.time() - t0, "all bitwise equal" if not bad else
+        "%d MISMATCHES" % len(bad)))
+    for b in bad[:20]:
+        print("  FAIL " + b)
+    return checks, len(bad)
+
+
+# ---------------------------------------------------------------------------------------
+# (c) benchmark.
+def copy_bandwidth(torch, iters=10):
+    """Device-to-device copy of a 1 GiB tensor; bytes counted read + write."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    a.fill_(1)
+    b = torch.empty_like(a)
+    for _ in range(2):
+        b.copy_(a)
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    t = float(np.median(times))
+    return 2.0 * n / t / 1e9, t
+
+
+def make_baselines(torch, x, dy, weight, bias, eps):
+    """Returns ({name: fn}, save_mean, save_invstd). x, dy are logical NCHW tensors (memory
+    NHWC for channels_last)."""
+    fns = {}
+    rm = torch.zeros_like(weight)
+    rv = torch.ones_like(weight)
+    _, save_mean, save_invstd = torch.ops.aten.native_batch_norm(x, weight, bias, rm.clone(),
+                                                                 rv.clone(), True, 0.1, eps)
+    try:
+        out = torch.ops.aten.cudnn_batch_norm(x, weight, bias, rm.clone(), rv.clone(), True,
+                                              0.1, eps)
+        c_mean, c_inv, reserve = out[1], out[2], out[3]
+
+        def cudnn_bwd():
+            return torch.ops.aten.cudnn_batch_norm_backward(x, dy, weight, rm, rv, c_mean, c_inv,
+                                                            eps, reserve)
+        cudnn_bwd()
+        fns["cudnn"] = cudnn_bwd
+    except Exception as e:  # noqa: BLE001
+        print("  (cudnn_batch_norm_backward unavailable: %s)" % str(e).splitlines()[0][:120])
+
+    def native_bwd():
+        return torch.ops.aten.native_batch_norm_backward(dy, x, weight, rm, rv, save_mean,
+                                                         save_invstd, True, eps,
+                                                         [True, True, True])
+    try:
+        native_bwd()
+        fns["native"] = native_bwd
+    except Exception as e:  # noqa: BLE001
+        print("  (native_batch_norm_backward unavailable: %s)" % str(e).splitlines()[0][:120])
+    return fns, save_mean, save_invstd
+
+
+def time_interleaved(torch, fns, iters, reps):
+    """Median seconds per call of each fn; the fns take turns (rotating order) each iteration."""
+    names = list(fns)
+    for n in names:
+        for _ in range(3):
+            fns[n]()
+    torch.cuda.synchronize()
+    events = {n: [] for n in names}
+    host = {n: [] for n in names}
+    for it in range(iters):
+        order = names[it % len(names):] + names[:it % len(names)]
+        for n in order:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            h0 = time.perf_counter()
+            s.record()
+            for _ in range(reps):
+                fns[n]()
+            e.record()
+            host[n].append((time.perf_counter() - h0) / reps)
+            events[n].append((s, e))
+    torch.cuda.synchronize()
+    med = {n: float(np.median([s.elapsed_time(e) / 1e3 / reps for s, e in events[n]]))
+           for n in names}
+    hmed = {n: float(np.median(host[n])) for n in names}
+    return med, hmed
+
+
+def run_benchmark(bn_grad, torch, epsilon, iters, reps, dtypes, layouts):
+    torch.backends.cudnn.enabled = True
+    bw, t_copy = copy_bandwidth(torch)
+    print("(c) benchmark: device copy bandwidth %.0f GB/s (1 GiB torch copy, read+write, %.3f ms)"
+          % (bw, t_copy * 1e3))
+    print("    training backward, bytes = read dy + read x + write dx; ratio = ours/baseline "
+          "time (<1: ours faster); '*' = host-bound (enqueue time >= 90% of GPU time)")
+    print("  %-20s %-5s %-8s %9s %9s %9s %7s %7s %8s %6s %9s" % (
+        "shape (NHWC)", "fmt", "dtype", "ours us", "cudnn us", "native us", "r.cudnn",
+        "r.native", "GB/s", "%copy", "dx err"))
+    ratios = []
+    numeric_bad = 0
+    rows = 0
+    for (n, h, w, c), layout, dtype in itertools.product(RESNET50_SHAPES, layouts, dtypes):
+        tdt = torch_dtype(torch, dtype)
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(1234)
+        x = torch.randn(n, c, h, w, device="cuda", dtype=torch.float32, generator=gen)
+        x = (x * 1.5 + 0.25).to(tdt)
+        dy = torch.randn(n, c, h, w, device="cuda", dtype=torch.float32, generator=gen).to(tdt)
+        if layout == "NHWC":
+            x = x.contiguous(memory_format=torch.channels_last)
+            dy = dy.contiguous(memory_format=torch.channels_last)
+        weight = torch.rand(c, device="cuda", dtype=torch.float32) + 0.5
+        bias = torch.zeros(c, device="cuda", dtype=torch.float32)
+        fns, save_mean, save_invstd = make_baselines(torch, x, dy, weight, bias, epsilon)
+        if layout == "NHWC":  # the NHWC tensors our op sees (same memory, no copy)
+            x_op, dy_op = x.permute(0, 2, 3, 1), dy.permute(0, 2, 3, 1)
+            assert x_op.is_contiguous() and dy_op.is_contiguous()
+        else:
+            x_op, dy_op = x, dy
+
+        def ours():
+            return bn_grad(dy_op, x_op, weight, save_mean, save_invstd, epsilon=epsilon,
+                           data_format=layout, is_training=True, saved_stat="inv_std")
+        try:
+            out = ours()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            print("  %-20s %-5s %-8s ERROR %r" % ("%dx%dx%dx%d" % (n, h, w, c), layout, dtype, e))
+            numeric_bad += 1
+            continue
+        # Sanity: ours vs the baseline's dx (same saved statistics for native).
+        err_s = "-"
+        base = fns.get("native") or fns.get("cudnn")
+        if base is not None:
+            ref_dx = base()[0]
+            if layout == "NHWC":
+                ref_dx = ref_dx.permute(0, 2, 3, 1)
+            got_dx = torch.as_tensor(out[0], device="cuda")
+            scale_ref = ref_dx.float().abs().max().item()
+            err = ((got_dx.float() - ref_dx.float()).abs().max().item()) / max(scale_ref, 1e-30)
+            err_s = "%.1e" % err
+            if not err < 10 * DX_RTOL[dtype]:
+                numeric_bad += 1
+                err_s += "!"
+        all_fns = dict(fns)
+        all_fns["ours"] = ours
+        med, hmed = time_interleaved(torch, all_fns, iters, reps)
+        nbytes = 3 * x.numel() * x.element_size()
+        gbs = nbytes / med["ours"] / 1e9
+        cells = []
+        for b in ("cudnn", "native"):
+            cells.append("%9.1f" % (med[b] * 1e6) if b in med else "%9s" % "-")
+        rc = med["ours"] / med["cudnn"] if "cudnn" in med else float("nan")
+        rn = med["ours"] / med["native"] if "native" in med else float("nan")
+        if "cudnn" in med:
+            ratios.append(rc)
+        flag = "*" if hmed["ours"] >= 0.9 * med["ours"] else " "
+        print("  %-20s %-5s %-8s %8.1f%s %s %7.2f %7.2f %8.0f %5.0f%% %9s" % (
+            "%dx%dx%dx%d" % (n, h, w, c), layout, dtype, med["ours"] * 1e6, flag, " ".join(cells),
+            rc, rn, gbs, 100 * gbs / bw, err_s))
+        rows += 1
+        del x, dy, out, fns
+        torch.cuda.empty_cache()
+    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else float("nan")
+    print("  geometric-mean time ratio ours/cudnn over %d rows: %.3f" % (len(ratios), geo))
+    return rows, numeric_bad, geo
+
+
+# ---------------------------------------------------------------------------------------
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu-only", action="store_true",
+                    help="only (a), CPU kernel vs float64 reference (no GPU needed)")
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--skip-numerics", action="store_true")
+    ap.add_argument("--skip-determinism", action="store_true")
+    ap.add_argument("--bench-iters", type=int, default=15)
+    ap.add_argument("--bench-reps", type=int, default=10)
+    ap.add_argument("--bench-dtypes", default=",".join(DTYPES))
+    ap.add_argument("--bench-layouts", default="NHWC,NCHW")
+    ap.add_argument("--epsilon", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+
+    t_start = time.time()
+    try:
+        bn_grad, with_cuda = load_bn_grad()
+    except RuntimeError as e:
+        print("SETUP ERROR: %s" % e)
+        print("GPU_CHECK SUMMARY: FAIL (module not importable)")
+        return 2
+    torch = None
+    if not args.cpu_only:
+        try:
+            import torch  # noqa: F811
+        except ImportError:
+            print("SETUP ERROR: PyTorch is not installed (use --cpu-only)")
+            print("GPU_CHECK SUMMARY: FAIL (no torch)")
+            return 2
+        if not torch.cuda.is_available():
+            print("SETUP ERROR: torch sees no CUDA device (use --cpu-only)")
+            print("GPU_CHECK SUMMARY: FAIL (no CUDA device)")
+            return 2
+        if not with_cuda:
+            print("SETUP ERROR: fbn_grad_tf._core was built without CUDA")
+            print("GPU_CHECK SUMMARY: FAIL (module without CUDA)")
+            return 2
+        p = torch.cuda.get_device_properties(0)
+        print("device: %s, %d SMs, %.0f GiB; torch %s, cuda %s, cudnn %s" % (
+            p.name, p.multi_processor_count, p.total_memory / 2**30, torch.__version__,
+            torch.version.cuda, torch.backends.cudnn.version()))
+    print("numpy %s, ml_dtypes %s" % (np.__version__,
+                                      getattr(ml_dtypes, "__version__", "missing")))
+
+    failures = 0
+    summary = []
+    if not args.skip_numerics:
+        print("(a) numerics: running ...", flush=True)
+        total, nfail = run_numerics(bn_grad, torch, use_cuda=not args.cpu_only, use_cpu=True,
+                                    epsilon=args.epsilon, seed=args.seed, verbose=args.verbose)
+        failures += nfail
+        summary.append("numerics %d/%d ok" % (total - nfail, total))
+    if not args.cpu_only and not args.skip_determinism:
+        print("(b) determinism: running ...", flush=True)
+        n, nbad = run_determinism(bn_grad, torch, args.epsilon, args.seed)
+        failures += nbad
+        summary.append("determinism %s (%d configs)" % ("ok" if not nbad else "%d BAD" % nbad, n))
+    if not args.cpu_only and not args.skip_bench:
+        print("(c) benchmark: running ...", flush=True)
+        rows, nbad, geo = run_benchmark(
+            bn_grad, torch, args.epsilon, args.bench_iters, args.bench_reps,
+            [d for d in args.bench_dtypes.split(",") if d],
+            [lay for lay in args.bench_layouts.split(",") if lay])
+        failures += nbad
+        summary.append("bench %d rows, geo-mean time ours/cudnn %.3f%s" % (
+            rows, geo, "" if not nbad else ", %d numeric mismatches" % nbad))
+    print("GPU_CHECK SUMMARY: %s; %s; %.0fs" % ("PASS" if failures == 0 else "FAIL",
+                                              "; ".join(summary), time.time() - t_start))
+    return 0 if failures == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
