@@ -17,3 +17,6 @@ else:
     from .ops import (  # noqa: F401
         DATA_FORMATS, FusedBatchNormGrad, FusedBatchNormGradOutputs, Scope,
         fused_batch_norm_grad)
+    from . import gradients  # noqa: F401,E402  (registers the gradient of our op)
+    from .nn import fused_batch_norm, use_for_gradients  # noqa: F401,E402
+    from . import keras  # noqa: F401,E402  (registers fbn_grad_tf>BatchNormalization)

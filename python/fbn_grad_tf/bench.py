@@ -1,0 +1,1003 @@
+"""Benchmark: our FusedBatchNormGradV3 against TensorFlow's built-in one (and PyTorch's).
+
+    python -m fbn_grad_tf.bench                    # full grid (ResNet-50 BN shapes), ~10 min
+    python -m fbn_grad_tf.bench --quick            # ~1 minute subset
+    python -m fbn_grad_tf.bench --json r.json --plot r.png
+
+What one run does (see docs/BENCHMARK.md):
+
+* measures this machine's memory bandwidth (copy and triad, NumPy on all cores and a
+  TensorFlow tf.function), so that our effective GB/s can be read as a fraction of it;
+* in this process (TensorFlow's default: oneDNN on for x86 Linux), for every case
+  (shape x data format x dtype x mode): builds inputs, runs our op and TF's
+  ``tf.raw_ops.FusedBatchNormGradV3`` once each and compares the outputs (a mismatch
+  raises CorrectnessError), then times both inside ``tf.function``, interleaved (ours, TF,
+  TF, ours, ...), and keeps the medians; PyTorch's CPU ``native_batch_norm_backward`` is a
+  third contestant when ``torch`` is importable;
+* starts itself again as a worker subprocess with ``TF_ENABLE_ONEDNN_OPTS=0`` (read only
+  at TF start-up) to time TF's Eigen kernels, again interleaved with ours;
+* prints a table and summary, and optionally writes JSON and a bar chart.
+
+The speed-up is TF time / our time (> 1: ours is faster). Speed-ups against each TF
+backend come from same-process pairs; the "ours ms" column is from the main process.
+"""
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+# ---- the grid ---------------------------------------------------------------------------
+
+#: ResNet-50 batch-norm shapes at batch 32 (NHWC), plus a 1x1 many-channel shape.
+DEFAULT_SHAPES = ((32, 112, 112, 64), (32, 56, 56, 256), (32, 28, 28, 512),
+                  (32, 14, 14, 1024), (32, 7, 7, 2048), (256, 1, 1, 4096))
+QUICK_SHAPES = ((32, 28, 28, 512), (256, 1, 1, 4096))
+DTYPES = ("float32", "bfloat16", "float16")
+QUICK_DTYPES = ("float32", "bfloat16")
+FORMATS = ("NHWC", "NCHW")
+MODES = ("training", "inference")
+
+#: A shape is "large" (well beyond the 32 MiB L3 cache) from this many elements on: the
+#: bandwidth summary uses these.
+LARGE_ELEMENTS = 8_000_000
+
+#: Output tolerances for the correctness check: max |ours - ref| / max |ref|, per output.
+#: dx is in the input dtype (a few ulps of it); scale/offset backprops are float32 sums.
+DX_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
+VEC_TOL = 1e-3
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_SHORT_MODE = {"training": "train", "inference": "infer"}
+
+
+class CorrectnessError(AssertionError):
+    """Our outputs differ from the reference beyond tolerance (raised before timing)."""
+
+
+@dataclasses.dataclass
+class Config:
+    """What to run. Shapes are NHWC dims; NCHW cases use the transposed tensors."""
+    shapes: Tuple[Tuple[int, int, int, int], ...] = DEFAULT_SHAPES
+    dtypes: Tuple[str, ...] = DTYPES
+    formats: Tuple[str, ...] = FORMATS
+    modes: Tuple[str, ...] = MODES
+    reps: Optional[int] = None      # fixed repetitions; None: time-budgeted (below)
+    min_reps: int = 5
+    max_reps: int = 100
+    budget_s: float = 1.5           # time for the slowest contestant per case
+    warmup: int = 1                 # untimed calls after the (also untimed) check call
+    threads: Optional[int] = None   # TF intra-op threads (and torch's); None: TF default
+    epsilon: float = 1e-3
+    torch: bool = True              # include PyTorch when importable
+    progress: bool = True
+    seed: int = 1234
+
+    def to_json(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d):
+        d = dict(d)
+        d["shapes"] = tuple(tuple(s) for s in d["shapes"])
+        for k in ("dtypes", "formats", "modes"):
+            d[k] = tuple(d[k])
+        return cls(**d)
+
+
+def quick_config(**overrides):
+    """The --quick subset: 2 shapes, float32 + bfloat16, both formats and modes, few reps."""
+    kw = dict(shapes=QUICK_SHAPES, dtypes=QUICK_DTYPES, budget_s=0.3, min_reps=3,
+              max_reps=30)
+    kw.update(overrides)
+    return Config(**kw)
+
+
+# ---- small helpers ----------------------------------------------------------------------
+
+def shape_str(shape):
+    return "x".join(str(d) for d in shape)
+
+
+def parse_shape(text):
+    try:
+        dims = tuple(int(t) for t in text.lower().replace("*", "x").split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError("bad shape %r (want NxHxWxC, e.g. 32x56x56x256)"
+                                         % text) from None
+    if len(dims) != 4 or min(dims) < 1:
+        raise argparse.ArgumentTypeError("bad shape %r (want 4 positive NHWC dims, e.g. "
+                                         "32x56x56x256)" % text)
+    return dims
+
+
+def tensor_shape(shape_nhwc, fmt):
+    n, h, w, c = shape_nhwc
+    return (n, h, w, c) if fmt == "NHWC" else (n, c, h, w)
+
+
+def onednn_enabled():
+    """Whether this TF process uses oneDNN kernels (TF_ENABLE_ONEDNN_OPTS at start-up)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except Exception:  # pragma: no cover - internal API moved
+        return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") not in ("0", "false", "False")
+
+
+def backend_name(onednn):
+    return "onednn" if onednn else "eigen"
+
+
+def _fmt_duration(s):
+    s = int(round(s))
+    return "%d:%02d" % (s // 60, s % 60)
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def configure_threads(threads):
+    """Sets TF's intra-op pool size (must precede TF's first op). Returns the value in force."""
+    if threads:
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(int(threads))
+        except RuntimeError as e:
+            if tf.config.threading.get_intra_op_parallelism_threads() != int(threads):
+                print("warning: --threads %d not applied: %s" % (threads, e), file=sys.stderr)
+    return tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
+
+
+class Progress:
+    """A plain-text progress line on stderr ('\\r'-updated on a terminal, else one line per
+    case). Progress is weighted by tensor size for the ETA."""
+
+    def __init__(self, label, weights, stream=None, enabled=True):
+        self.label = label
+        self.total_w = float(sum(weights)) or 1.0
+        self.count = len(weights)
+        self.done_w = 0.0
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def start(self, what):
+        if not self.enabled:
+            return
+        frac = self.done_w / self.total_w
+        elapsed = time.perf_counter() - self.t0
+        eta = ("eta %s" % _fmt_duration(elapsed / frac * (1 - frac))) if frac > 0.02 else ""
+        width = 20
+        bar = "#" * int(frac * width) + "." * (width - int(frac * width))
+        line = "[%s] [%s] %d/%d %s  %s %s" % (self.label, bar, self.done + 1, self.count, what,
+                                              _fmt_duration(elapsed), eta)
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def finish(self, weight):
+        self.done += 1
+        self.done_w += weight
+
+    def close(self):
+        if not self.enabled:
+            return
+        line = "[%s] %d cases in %s" % (self.label, self.done,
+                                        _fmt_duration(time.perf_counter() - self.t0))
+        self.stream.write(("\r\033[K" if self.tty else "") + line + "\n")
+        self.stream.flush()
+
+
+# ---- memory bandwidth --------------------------------------------------------------------
+
+def _best_rate(fn, nbytes, repeats):
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+        del out
+    return nbytes / best / 1e9
+
+
+def measure_bandwidth(threads=None, mib=256, repeats=5):
+    """Memory bandwidth in GB/s (1e9 B/s), STREAM-style byte counts, best of `repeats`.
+
+    numpy_copy: b -> a (2 arrays counted); numpy_triad: a = b + s*c (3 arrays counted),
+    both split over `threads` Python threads (NumPy releases the GIL), the triad in
+    cache-sized chunks so no temporary goes to memory. tf_scale: x*s (2 arrays);
+    tf_triad: x*s + y (3 arrays), XLA-fused when jit_compile works, on TF's thread pool
+    (includes allocating the output, as every TF op does). "bandwidth" is the best of all.
+    """
+    threads = threads or os.cpu_count() or 1
+    n = mib * 2 ** 20 // 4
+    res = {"array_mib": mib, "threads": threads}
+    a = np.zeros(n, np.float32)
+    b = np.ones(n, np.float32)
+    c = np.full(n, 2.0, np.float32)
+    chunk = 1 << 15  # 128 KiB of float32: the temporary stays in L2
+
+    def triad(lo, hi):
+        tmp = np.empty(chunk, np.float32)
+        for i in range(lo, hi, chunk):
+            j = min(i + chunk, hi)
+            t = tmp[:j - i]
+            np.multiply(c[i:j], np.float32(3.0), out=t)
+            np.add(t, b[i:j], out=a[i:j])
+
+    def copy(lo, hi):
+        np.copyto(a[lo:hi], b[lo:hi])
+
+    def parallel(fn):
+        def go():
+            ths = [threading.Thread(target=fn, args=(n * k // threads, n * (k + 1) // threads))
+                   for k in range(threads)]
+            for t in ths:
+                t.start()
+            for t in ths:
+                t.join()
+        return go
+
+    res["numpy_copy"] = _best_rate(parallel(copy), 2 * n * 4, repeats)
+    res["numpy_triad"] = _best_rate(parallel(triad), 3 * n * 4, repeats)
+    del a, b, c
+
+    x = tf.fill([n], 1.0)
+    y = tf.fill([n], 2.0)
+    s = tf.constant(3.0)
+    scale_fn = tf.function(lambda x, s: x * s)
+    res["tf_scale"] = _best_rate(lambda: scale_fn(x, s), 2 * n * 4, repeats)
+    triad_fn, res["tf_triad_fused"] = None, False
+    try:
+        triad_fn = tf.function(lambda x, y, s: x * s + y, jit_compile=True)
+        triad_fn(x, y, s)
+        res["tf_triad_fused"] = True
+    except Exception:  # no XLA here: two kernels (counted as 3 arrays all the same)
+        triad_fn = tf.function(lambda x, y, s: x * s + y)
+    res["tf_triad"] = _best_rate(lambda: triad_fn(x, y, s), 3 * n * 4, repeats)
+    del x, y
+    res["copy"] = max(res["numpy_copy"], res["tf_scale"])
+    res["triad"] = max(res["numpy_triad"], res["tf_triad"])
+    res["bandwidth"] = max(res["copy"], res["triad"])
+    return res
+
+
+# ---- inputs and contestants --------------------------------------------------------------
+
+def _make_inputs(shape, dtype, seed):
+    """NHWC dy and x in `dtype` (x with per-channel mean/spread), float32 scale, the batch
+    statistics of x (training) and perturbed "population" statistics (inference)."""
+    c = shape[-1]
+    dt = tf.as_dtype(dtype)
+    mu = tf.random.stateless_uniform([c], [seed, 1], -1.0, 1.0)
+    sigma = tf.random.stateless_uniform([c], [seed, 2], 0.5, 2.0)
+    x = tf.cast(tf.random.stateless_normal(shape, [seed, 3]) * sigma + mu, dt)
+    dy = tf.cast(tf.random.stateless_normal(shape, [seed, 4]), dt)
+    mean, var = tf.nn.moments(tf.cast(x, tf.float32), axes=[0, 1, 2])
+    return {
+        "dy": dy, "x": x,
+        "scale": tf.random.stateless_uniform([c], [seed, 5], 0.5, 1.5),
+        "training": (mean, var),
+        "inference": (mean + 0.1 * tf.random.stateless_normal([c], [seed, 6]),
+                      var * tf.random.stateless_uniform([c], [seed, 7], 0.8, 1.25)),
+        "rs3": tf.zeros([0], tf.float32),
+    }
+
+
+def _ours_op(dy, x, scale, rs1, rs2, rs3, epsilon, data_format, is_training):
+    from . import ops
+    return ops.fused_batch_norm_grad(dy, x, scale, rs1, rs2, rs3, epsilon=epsilon,
+                                     data_format=data_format, is_training=is_training)
+
+
+def _tf_op(dy, x, scale, rs1, rs2, rs3, epsilon, data_format, is_training):
+    return tf.raw_ops.FusedBatchNormGradV3(
+        y_backprop=dy, x=x, scale=scale, reserve_space_1=rs1, reserve_space_2=rs2,
+        reserve_space_3=rs3, epsilon=epsilon, data_format=data_format,
+        is_training=is_training)
+
+
+def _tf_callable(which, args, epsilon, fmt, training):
+    """A zero-argument callable running `which` ('ours' or 'tf') in a fresh tf.function."""
+    op = _ours_op if which == "ours" else _tf_op
+
+    @tf.function(autograph=False)
+    def f(dy, x, scale, rs1, rs2, rs3):
+        out = op(dy, x, scale, rs1, rs2, rs3, epsilon=epsilon, data_format=fmt,
+                 is_training=training)
+        return out[0], out[1], out[2]
+
+    return lambda: f(*args)
+
+
+def _torch_module():
+    """(torch, None) or (None, reason)."""
+    try:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # no spinning threads between calls
+        import torch
+        return torch, None
+    except ImportError as e:
+        return None, "torch not importable (%s)" % e
+
+
+def _to_torch(torch, t):
+    a = t.numpy()
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _torch_callable(torch, nhwc_args, fmt, training, epsilon):
+    """torch.ops.aten.native_batch_norm_backward on the same data: NHWC as an NCHW tensor
+    in channels_last memory format, NCHW contiguous. Returns (callable, to_nhwc_dx)."""
+    dy, x, scale, rs1, rs2 = (_to_torch(torch, t) for t in nhwc_args)
+    if fmt == "NHWC":
+        dy, x = dy.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2)  # channels_last strides
+    else:
+        dy = dy.permute(0, 3, 1, 2).contiguous()
+        x = x.permute(0, 3, 1, 2).contiguous()
+    if training:
+        invstd = torch.rsqrt(rs2 + epsilon)
+        args = (dy, x, scale, None, None, rs1, invstd, True, epsilon, [True, True, True])
+    else:
+        args = (dy, x, scale, rs1, rs2, None, None, False, epsilon, [True, True, True])
+    fn = torch.ops.aten.native_batch_norm_backward
+
+    def call():
+        return fn(*args)
+
+    return call
+
+
+# ---- the correctness check -----------------------------------------------------------------
+
+def short_error(e):
+    """The meaningful line of a TF error ("... only support NHWC tensor format for now.")."""
+    text = getattr(e, "message", None) or str(e)
+    for line in text.splitlines():
+        line = re.sub(r"\{\{function_node [^}]*\}\}|\[\[.*?\]\]|\[Op:[^\]]*\]", "",
+                      line).strip()
+        if line and line != "Graph execution error:" and not line.startswith(
+                ("Detected at", "File ", "<")):
+            return line[:200]
+    return type(e).__name__
+
+
+def _rel_err(out, ref):
+    """max |out - ref| / max |ref| in float32; inf if `out` has a non-finite value."""
+    out = tf.cast(tf.convert_to_tensor(out), tf.float32)
+    ref = tf.cast(tf.convert_to_tensor(ref), tf.float32)
+    if out.shape != ref.shape:
+        return float("inf")
+    if not bool(tf.reduce_all(tf.math.is_finite(out))):
+        return float("inf")
+    diff = float(tf.reduce_max(tf.abs(out - ref))) if tf.size(ref) else 0.0
+    scale = float(tf.reduce_max(tf.abs(ref))) if tf.size(ref) else 0.0
+    return diff / max(scale, 1e-30)
+
+
+def _check(name, outs, ref, dtype, case_name, ref_name):
+    errs = {k: _rel_err(o, r) for k, o, r in zip(("dx", "dscale", "doffset"), outs, ref)}
+    tol = {"dx": DX_TOL[dtype], "dscale": VEC_TOL, "doffset": VEC_TOL}
+    bad = {k: v for k, v in errs.items() if not v <= tol[k]}
+    if bad:
+        raise CorrectnessError(
+            "%s differs from %s on %s: %s (tolerances %s)" % (
+                name, ref_name, case_name,
+                ", ".join("%s rel err %.3g" % kv for kv in bad.items()), tol))
+    return errs
+
+
+def numpy_reference(dy, x, scale, rs1, rs2, epsilon, data_format, is_training):
+    """FusedBatchNormGradV3 in float64 NumPy (NHWC or NCHW). Returns (dx, dscale, doffset)."""
+    dy = np.asarray(dy, np.float64)
+    x = np.asarray(x, np.float64)
+    if data_format == "NCHW":
+        dy, x = dy.transpose(0, 2, 3, 1), x.transpose(0, 2, 3, 1)
+    axes = (0, 1, 2)
+    inv_std = 1.0 / np.sqrt(np.asarray(rs2, np.float64) + epsilon)
+    xhat = (x - np.asarray(rs1, np.float64)) * inv_std
+    doffset = dy.sum(axis=axes)
+    dscale = (dy * xhat).sum(axis=axes)
+    k = np.asarray(scale, np.float64) * inv_std
+    if is_training:
+        m = dy.shape[0] * dy.shape[1] * dy.shape[2]
+        dx = k * (dy - doffset / m - xhat * dscale / m)
+    else:
+        dx = k * dy
+    if data_format == "NCHW":
+        dx = dx.transpose(0, 3, 1, 2)
+    return dx, dscale, doffset
+
+
+# ---- the core loop ------------------------------------------------------------------------
+
+def _cases(config):
+    for shape in config.shapes:
+        for dtype in config.dtypes:
+            for fmt in config.formats:
+                for mode in config.modes:
+                    yield tuple(shape), dtype, fmt, mode
+
+
+def _stats(samples_s):
+    ms = [s * 1e3 for s in samples_s]
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms),
+            "mean_ms": statistics.fmean(ms), "samples_ms": [round(v, 4) for v in ms]}
+
+
+def time_interleaved(fns, reps):
+    """Calls each of `fns` (name -> zero-arg callable) once per repetition, alternating the
+    order (ABBA...), and returns name -> list of seconds."""
+    names = list(fns)
+    samples = {k: [] for k in names}
+    for i in range(reps):
+        for k in (names if i % 2 == 0 else names[::-1]):
+            t0 = time.perf_counter()
+            out = fns[k]()
+            samples[k].append(time.perf_counter() - t0)
+            del out
+    return samples
+
+
+def run(config=None, label=None, stream=None):
+    """Runs every case of `config` in this process: check, warm up, time interleaved.
+
+    Returns {"meta": {...}, "results": [case, ...]}; each case has shape (NHWC dims),
+    tensor_shape, format, dtype, mode, elements, min_bytes, reps, check (relative errors
+    and the reference used), and per contestant ("ours", "tf", "torch" when present) either
+    {"median_ms", "min_ms", "mean_ms", "samples_ms"} or {"error": message} (n/a).
+    """
+    config = config or Config()
+    threads = configure_threads(config.threads)
+    onednn = onednn_enabled()
+    backend = backend_name(onednn)
+    label = label or backend
+    torch = None
+    torch_note = "disabled"
+    if config.torch:
+        torch, torch_note = _torch_module()
+        if torch is not None:
+            torch.set_num_threads(threads)
+            torch_note = "torch %s" % torch.__version__
+    meta = {"tf_version": tf.__version__, "tf_backend": backend, "onednn": onednn,
+            "intra_op_threads": threads, "torch": torch_note,
+            "config": config.to_json()}
+
+    cases = list(_cases(config))
+    progress = Progress(label, [math.prod(c[0]) for c in cases], stream=stream,
+                        enabled=config.progress)
+    results = []
+    inputs = None
+    key = None
+    eps = float(config.epsilon)
+    # Each case builds fresh tf.functions (traced once each); TF's "frequent retracing"
+    # warning would misfire on them.
+    logger = tf.get_logger()
+    old_level = logger.level
+    logger.setLevel("ERROR")
+    try:
+        for shape, dtype, fmt, mode in cases:
+            case_name = "%s %s %s %s" % (shape_str(tensor_shape(shape, fmt)), fmt, dtype, mode)
+            progress.start(case_name)
+            if key != (shape, dtype):
+                inputs = None  # free the previous tensors first
+                inputs = _make_inputs(shape, dtype, config.seed)
+                key = (shape, dtype)
+            if fmt not in inputs:
+                if fmt == "NHWC":
+                    inputs[fmt] = (inputs["dy"], inputs["x"])
+                else:
+                    inputs[fmt] = (tf.transpose(inputs["dy"], [0, 3, 1, 2]),
+                                   tf.transpose(inputs["x"], [0, 3, 1, 2]))
+            training = mode == "training"
+            rs1, rs2 = inputs[mode]
+            args = inputs[fmt] + (inputs["scale"], rs1, rs2, inputs["rs3"])
+            results.append(_run_case(config, shape, dtype, fmt, mode, training, args, inputs,
+                                     eps, torch, case_name))
+            progress.finish(math.prod(shape))
+    finally:
+        inputs = None
+        logger.setLevel(old_level)
+        progress.close()
+    return {"meta": meta, "results": results}
+
+
+def _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps, torch, case_name):
+    fns = {"ours": _tf_callable("ours", args, eps, fmt, training),
+           "tf": _tf_callable("tf", args, eps, fmt, training)}
+    entry = {"shape": list(shape), "tensor_shape": list(tensor_shape(shape, fmt)),
+             "format": fmt, "dtype": dtype, "mode": mode, "elements": math.prod(shape),
+             "min_bytes": 3 * math.prod(shape) * _ITEMSIZE[dtype]}
+    errors = {}
+
+    # -- correctness: ours against TF (or TF on the NHWC tensors where TF refuses NCHW).
+    ours_out = fns["ours"]()
+    try:
+        ref = fns["tf"]()
+        ref_name = "TF FusedBatchNormGradV3 (%s)" % fmt
+    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
+        errors["tf"] = short_error(e)
+        del fns["tf"]
+        ref = None
+    if ref is None and fmt == "NCHW":
+        try:
+            nhwc_args = (inputs["dy"], inputs["x"]) + args[2:]
+            r = _tf_callable("tf", nhwc_args, eps, "NHWC", training)()
+            ref = (tf.transpose(r[0], [0, 3, 1, 2]), r[1], r[2])
+            ref_name = "TF FusedBatchNormGradV3 (NHWC, dx transposed)"
+        except tf.errors.OpError:
+            ref = None
+    if ref is None:
+        ref = numpy_reference(*(t.numpy() for t in args[:5]), eps, fmt, training)
+        ref_name = "NumPy float64 reference"
+    check = {"reference": ref_name,
+             "ours": _check("ours", ours_out, ref, dtype, case_name, ref_name)}
+    del ours_out
+
+    if torch is not None:
+        try:
+            tcall = _torch_callable(torch, (inputs["dy"], inputs["x"]) + args[2:5], fmt,
+                                    training, eps)
+            tout = tcall()
+            dx = tout[0].permute(0, 2, 3, 1) if fmt == "NHWC" else tout[0]
+            tout = (dx.float().numpy(), tout[1].float().numpy(), tout[2].float().numpy())
+            check["torch"] = _check("torch", tout, ref, dtype, case_name, ref_name)
+            fns["torch"] = tcall
+            del tout, dx
+        except CorrectnessError:
+            raise
+        except Exception as e:  # an unsupported dtype/format combination: n/a
+            errors["torch"] = "%s: %s" % (type(e).__name__, str(e).split("\n")[0][:200])
+    del ref
+
+    # -- warm up (the check call above already traced and ran each function once).
+    est = {}
+    for k, f in fns.items():
+        for _ in range(max(config.warmup, 1)):
+            t0 = time.perf_counter()
+            f()
+            est[k] = time.perf_counter() - t0
+    if config.reps:
+        reps = int(config.reps)
+    else:
+        reps = int(config.budget_s / max(max(est.values()), 1e-6))
+        reps = max(config.min_reps, min(config.max_reps, reps))
+    samples = time_interleaved(fns, reps)
+
+    entry["reps"] = reps
+    entry["check"] = check
+    for k in ("ours", "tf", "torch"):
+        if k in samples:
+            entry[k] = _stats(samples[k])
+        elif k in errors:
+            entry[k] = {"error": errors[k]}
+    return entry
+
+
+# ---- merging, table, summary ---------------------------------------------------------------
+
+def _case_key(r):
+    return (tuple(r["shape"]), r["format"], r["dtype"], r["mode"])
+
+
+def _ms(d):
+    return None if d is None or "median_ms" not in d else d["median_ms"]
+
+
+def _ratio(num, den):
+    return None if num is None or den is None or den <= 0 else num / den
+
+
+def merge(main_res, other_res=None, bandwidth=None):
+    """Merges the main process's results with the other TF backend's worker results.
+
+    Flattened per case: ours_ms (main process), tf_onednn_ms, tf_eigen_ms, torch_ms,
+    speedup_onednn/eigen/torch (TF ms / ours ms from the same process), gbps (our
+    effective bandwidth on 3 * elements * itemsize bytes) and bw_fraction.
+    """
+    main_backend = main_res["meta"]["tf_backend"]
+    other = {}
+    if other_res is not None:
+        other = {_case_key(r): r for r in other_res["results"]}
+    bw = bandwidth["bandwidth"] if bandwidth else None
+    rows = []
+    for r in main_res["results"]:
+        o = other.get(_case_key(r))
+        row = {k: r[k] for k in ("shape", "tensor_shape", "format", "dtype", "mode",
+                                 "elements", "min_bytes", "reps")}
+        ours = _ms(r.get("ours"))
+        row["ours_ms"] = ours
+        per_backend = {main_backend: (r, ours)}
+        if o is not None:
+            per_backend[other_res["meta"]["tf_backend"]] = (o, _ms(o.get("ours")))
+        for b in ("onednn", "eigen"):
+            src, ours_b = per_backend.get(b, (None, None))
+            tf_ms = _ms(src.get("tf")) if src else None
+            row["tf_%s_ms" % b] = tf_ms
+            row["speedup_%s" % b] = _ratio(tf_ms, ours_b)
+            row["tf_%s_error" % b] = (src.get("tf") or {}).get("error") if src else "not run"
+            row["ours_ms_%s_run" % b] = ours_b
+        row["torch_ms"] = _ms(r.get("torch"))
+        row["speedup_torch"] = _ratio(row["torch_ms"], ours)
+        row["torch_error"] = (r.get("torch") or {}).get("error")
+        row["gbps"] = r["min_bytes"] / (ours * 1e-3) / 1e9 if ours else None
+        row["bw_fraction"] = row["gbps"] / bw if row["gbps"] and bw else None
+        row["check"] = {"main": r["check"], "other": o["check"] if o else None}
+        row["raw"] = {"main": r, "other": o}
+        rows.append(row)
+    return rows
+
+
+def _sort_key(row):
+    return (DTYPES.index(row["dtype"]) if row["dtype"] in DTYPES else 9,
+            FORMATS.index(row["format"]), -row["elements"], tuple(row["shape"]),
+            MODES.index(row["mode"]))
+
+
+def _f(v, fmt="%.2f", na="n/a"):
+    return na if v is None else fmt % v
+
+
+def format_table(rows, have_torch=False):
+    cols = [("shape", "<", 15), ("fmt", "<", 4), ("dtype", "<", 8), ("mode", "<", 5),
+            ("ours ms", ">", 8), ("TF-oneDNN", ">", 9), ("x", ">", 6),
+            ("TF-Eigen", ">", 9), ("x", ">", 6)]
+    if have_torch:
+        cols += [("torch ms", ">", 9), ("x", ">", 6)]
+    cols += [("GB/s", ">", 6), ("%BW", ">", 5), ("reps", ">", 4)]
+    def line(vals):
+        return "  ".join(("{:%s%d}" % (a, w)).format(v) for (_, a, w), v in zip(cols, vals))
+    out = [line([c[0] for c in cols]), line(["-" * c[2] for c in cols])]
+    prev = None
+    for r in sorted(rows, key=_sort_key):
+        grp = (r["dtype"], r["format"])
+        if prev is not None and grp != prev:
+            out.append("")
+        prev = grp
+        vals = [shape_str(r["tensor_shape"]), r["format"], r["dtype"],
+                _SHORT_MODE[r["mode"]], _f(r["ours_ms"], "%.3f"),
+                _f(r["tf_onednn_ms"], "%.3f"), _f(r["speedup_onednn"], "%.2fx"),
+                _f(r["tf_eigen_ms"], "%.3f"), _f(r["speedup_eigen"], "%.2fx")]
+        if have_torch:
+            vals += [_f(r["torch_ms"], "%.3f"), _f(r["speedup_torch"], "%.2fx")]
+        vals += [_f(r["gbps"], "%.1f"), _f(r["bw_fraction"] and 100 * r["bw_fraction"], "%.0f%%"),
+                 str(r["reps"])]
+        out.append(line(vals))
+    return "\n".join(out)
+
+
+def _median(vals):
+    vals = [v for v in vals if v is not None]
+    return (statistics.median(vals), len(vals)) if vals else (None, 0)
+
+
+SUMMARY_GROUPS = (("float32 NHWC", ("float32",), "NHWC"),
+                  ("float32 NCHW", ("float32",), "NCHW"),
+                  ("bf16+f16 NHWC", ("bfloat16", "float16"), "NHWC"),
+                  ("bf16+f16 NCHW", ("bfloat16", "float16"), "NCHW"),
+                  ("bfloat16 (both)", ("bfloat16",), None),
+                  ("float16 (both)", ("float16",), None),
+                  ("all cases", DTYPES, None))
+
+
+def summarize(rows, have_torch=False):
+    """Median speed-ups per group and mode, and our fraction of bandwidth on large shapes."""
+    targets = ["onednn", "eigen"] + (["torch"] if have_torch else [])
+    speedups = []
+    for name, dtypes, fmt in SUMMARY_GROUPS:
+        sel = [r for r in rows if r["dtype"] in dtypes and (fmt is None or r["format"] == fmt)]
+        if not sel:
+            continue
+        g = {"group": name}
+        for t in targets:
+            for mode in MODES:
+                m, n = _median(r["speedup_" + t] for r in sel if r["mode"] == mode)
+                g["%s_%s" % (t, mode)] = m
+                g["%s_%s_n" % (t, mode)] = n
+        speedups.append(g)
+    large = [r for r in rows if r["elements"] >= LARGE_ELEMENTS]
+    bw_rows = []
+    for dtype in DTYPES:
+        sel = [r for r in large if r["dtype"] == dtype]
+        if not sel:
+            continue
+        g = {"dtype": dtype}
+        for mode in MODES:
+            for fmt in FORMATS:
+                m, _ = _median(r["bw_fraction"] for r in sel
+                               if r["mode"] == mode and r["format"] == fmt)
+                g["%s_%s" % (mode, fmt)] = m
+        bw_rows.append(g)
+    return {"speedups": speedups, "bandwidth_fraction_large": bw_rows,
+            "large_elements": LARGE_ELEMENTS}
+
+
+def format_summary(summary, bandwidth=None, have_torch=False):
+    targets = [("onednn", "vs TF oneDNN"), ("eigen", "vs TF Eigen")]
+    if have_torch:
+        targets.append(("torch", "vs torch"))
+    out = ["Summary: median speed-up over shapes (TF ms / ours ms; >1 = ours faster)"]
+    head = "%-17s" % "" + "".join("  %-17s" % t[1] for t in targets)
+    sub = "%-17s" % "group" + "".join("  %8s %8s" % ("train", "infer") for _ in targets)
+    out += [head, sub]
+    for g in summary["speedups"]:
+        cells = []
+        for t, _ in targets:
+            for mode in MODES:
+                v = g["%s_%s" % (t, mode)]
+                cells.append(_f(v, "%.2fx"))
+        out.append("%-17s" % g["group"] + "".join(
+            "  %8s %8s" % (cells[2 * i], cells[2 * i + 1]) for i in range(len(targets))))
+    if bandwidth:
+        out.append("")
+        out.append("Memory bandwidth (GB/s, best of %d runs on %d MiB arrays, %d threads): "
+                   "numpy copy %.1f, numpy triad %.1f, TF x*s %.1f, TF x*s+y%s %.1f"
+                   % (5, bandwidth["array_mib"], bandwidth["threads"],
+                      bandwidth["numpy_copy"], bandwidth["numpy_triad"],
+                      bandwidth["tf_scale"], " (XLA)" if bandwidth.get("tf_triad_fused")
+                      else "", bandwidth["tf_triad"]))
+        out.append("  copy %.1f, triad %.1f -> bandwidth = %.1f GB/s"
+                   % (bandwidth["copy"], bandwidth["triad"], bandwidth["bandwidth"]))
+    if summary["bandwidth_fraction_large"]:
+        out.append("Our effective bandwidth (3 x elements x itemsize / time) as a fraction of "
+                   "it, median over large shapes (>= %dM elements):" %
+                   (summary["large_elements"] // 1_000_000))
+        out.append("%-10s  %8s %8s %8s %8s" % ("dtype", "trainNHWC", "trainNCHW",
+                                               "inferNHWC", "inferNCHW"))
+        for g in summary["bandwidth_fraction_large"]:
+            cells = [_f(g["%s_%s" % (m, f)] and 100 * g["%s_%s" % (m, f)], "%.0f%%")
+                     for m in MODES for f in FORMATS]
+            out.append("%-10s  %9s %9s %9s %9s" % (g["dtype"], *cells))
+    return "\n".join(out)
+
+
+def plot(rows, path, have_torch=False):
+    """Bar chart of speed-ups (log scale), one panel per dtype. Returns an error message
+    instead of raising when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ("--plot: matplotlib is not importable in this environment (pip install "
+                "matplotlib); no plot written to %s" % path)
+    targets = [("speedup_onednn", "vs TF oneDNN"), ("speedup_eigen", "vs TF Eigen")]
+    if have_torch:
+        targets.append(("speedup_torch", "vs PyTorch"))
+    dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in rows)]
+    fig, axes = plt.subplots(len(dtypes), 1, figsize=(max(8, 0.42 * len(rows) / max(
+        len(dtypes), 1) + 3), 3.6 * len(dtypes)), squeeze=False)
+    for ax, dtype in zip(axes[:, 0], dtypes):
+        sel = sorted((r for r in rows if r["dtype"] == dtype), key=_sort_key)
+        xs = np.arange(len(sel))
+        w = 0.8 / len(targets)
+        for i, (key, name) in enumerate(targets):
+            vals = [r[key] if r[key] is not None else np.nan for r in sel]
+            ax.bar(xs + (i - (len(targets) - 1) / 2) * w, vals, w, label=name)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_ylabel("speed-up (TF / ours)")
+        ax.set_title(dtype)
+        ax.set_xticks(xs)
+        ax.set_xticklabels(["%s %s %s" % (shape_str(r["tensor_shape"]), r["format"],
+                                          _SHORT_MODE[r["mode"]]) for r in sel],
+                           rotation=60, ha="right", fontsize=7)
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+def _split(text, allowed, what):
+    vals = tuple(v.strip() for v in text.split(",") if v.strip())
+    aliases = {"bf16": "bfloat16", "f16": "float16", "half": "float16", "f32": "float32",
+               "train": "training", "infer": "inference", "nhwc": "NHWC", "nchw": "NCHW"}
+    vals = tuple(aliases.get(v, aliases.get(v.lower(), v)) for v in vals)
+    bad = [v for v in vals if v not in allowed]
+    if bad or not vals:
+        raise argparse.ArgumentTypeError("%s must be a comma list of %s, got %r"
+                                         % (what, ", ".join(allowed), text))
+    return vals
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m fbn_grad_tf.bench",
+        description="Times fbn_grad_tf's FusedBatchNormGradV3 against TF's built-in op "
+                    "(oneDNN and Eigen kernels) and, when importable, PyTorch's.")
+    p.add_argument("--quick", action="store_true",
+                   help="~1 minute subset: 2 shapes, float32+bfloat16, fewer reps")
+    p.add_argument("--shapes", type=lambda s: tuple(parse_shape(t) for t in s.split(",")),
+                   help="comma list of NHWC shapes, e.g. 32x56x56x256,256x1x1x4096")
+    p.add_argument("--dtypes", type=lambda s: _split(s, DTYPES, "--dtypes"))
+    p.add_argument("--formats", type=lambda s: _split(s, FORMATS, "--formats"))
+    p.add_argument("--modes", type=lambda s: _split(s, MODES, "--modes"))
+    p.add_argument("--reps", type=int, help="fixed repetitions per case (default: "
+                   "time-budgeted, see --budget)")
+    p.add_argument("--budget", type=float, help="seconds of the slowest contestant per "
+                   "case (default 1.5; --quick 0.3), within --min-reps..--max-reps")
+    p.add_argument("--min-reps", type=int)
+    p.add_argument("--max-reps", type=int)
+    p.add_argument("--threads", type=int, help="TF intra-op threads (and torch threads, "
+                   "and NumPy bandwidth threads); default: TF's default (all cores)")
+    p.add_argument("--json", metavar="FILE", help="write machine-readable results")
+    p.add_argument("--plot", metavar="FILE.png", help="bar chart of speed-ups (matplotlib)")
+    p.add_argument("--no-eigen", action="store_true",
+                   help="skip the second TF backend (the worker subprocess)")
+    p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if importable")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--_worker", choices=("eigen", "onednn"), help=argparse.SUPPRESS)
+    p.add_argument("--_config", help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(args):
+    if args._config:
+        return Config.from_json(json.loads(args._config))
+    cfg = quick_config() if args.quick else Config()
+    for field, val in (("shapes", args.shapes), ("dtypes", args.dtypes),
+                       ("formats", args.formats), ("modes", args.modes),
+                       ("reps", args.reps), ("budget_s", args.budget),
+                       ("min_reps", args.min_reps), ("max_reps", args.max_reps),
+                       ("threads", args.threads)):
+        if val is not None:
+            setattr(cfg, field, val)
+    if args.no_torch:
+        cfg.torch = False
+    if args.no_progress:
+        cfg.progress = False
+    return cfg
+
+
+def run_worker_subprocess(backend, config, timeout=None):
+    """Runs this module again with TF's other backend (the env var is read at TF start-up);
+    its progress goes to our stderr. Returns its run() result."""
+    env = dict(os.environ)
+    env["TF_ENABLE_ONEDNN_OPTS"] = "0" if backend == "eigen" else "1"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    wcfg = dataclasses.replace(config, torch=False)
+    fd, path = tempfile.mkstemp(prefix="fbn_bench_%s_" % backend, suffix=".json")
+    os.close(fd)
+    try:
+        cmd = [sys.executable, "-m", "fbn_grad_tf.bench", "--_worker", backend,
+               "--_config", json.dumps(wcfg.to_json()), "--json", path]
+        proc = subprocess.run(cmd, env=env, stdout=sys.stderr, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError("the %s worker (TF_ENABLE_ONEDNN_OPTS=%s) failed with exit "
+                               "code %d (see its messages above)"
+                               % (backend, env["TF_ENABLE_ONEDNN_OPTS"], proc.returncode))
+        with open(path) as f:
+            res = json.load(f)
+        if res["meta"]["tf_backend"] != backend:
+            raise RuntimeError("the %s worker ran with TF backend %s"
+                               % (backend, res["meta"]["tf_backend"]))
+        return res
+    finally:
+        os.unlink(path)
+
+
+def _machine_meta():
+    from . import _build_info
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "cpu": _cpu_model(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "tf_version": tf.__version__,
+            "fbn_grad_tf_build": {k: getattr(_build_info, k) for k in dir(_build_info)
+                                  if k.isupper()}}
+    try:
+        from . import core
+        meta["fbn_grad_tf_isa"] = core.default_isa() if callable(core.default_isa) \
+            else core.default_isa
+    except Exception as e:  # pragma: no cover
+        meta["fbn_grad_tf_isa"] = "unknown (%s)" % e
+    return meta
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    if args._worker:
+        res = run(config, label=args._worker)
+        with open(args.json, "w") as f:
+            json.dump(res, f)
+        return 0
+
+    t0 = time.perf_counter()
+    threads = configure_threads(config.threads)
+    main_backend = backend_name(onednn_enabled())
+    if main_backend != "onednn":
+        print("note: oneDNN is off in this process (TF_ENABLE_ONEDNN_OPTS=%s); its TF times "
+              "go to the Eigen column and a worker measures oneDNN"
+              % os.environ.get("TF_ENABLE_ONEDNN_OPTS"), file=sys.stderr)
+    if config.progress:
+        print("measuring memory bandwidth ...", file=sys.stderr, flush=True)
+    bandwidth = measure_bandwidth(threads)
+    main_res = run(config)
+    other_res, other_error = None, None
+    if not args.no_eigen:
+        other = "eigen" if main_backend == "onednn" else "onednn"
+        try:
+            other_res = run_worker_subprocess(other, config)
+        except (RuntimeError, OSError, ValueError, KeyError) as e:
+            other_error = str(e)
+    rows = merge(main_res, other_res, bandwidth)
+    have_torch = any(r["torch_ms"] is not None or r["torch_error"] for r in rows)
+    summary = summarize(rows, have_torch)
+    elapsed = time.perf_counter() - t0
+
+    meta = _machine_meta()
+    meta.update({"tf_backend_main": main_backend, "intra_op_threads": threads,
+                 "torch": main_res["meta"]["torch"], "config": config.to_json(),
+                 "elapsed_s": round(elapsed, 1), "other_backend_error": other_error})
+    print("fbn_grad_tf benchmark: %s, %d cores, TF %s (main process: %s), %d intra-op threads, "
+          "%s; ISA %s" % (meta["cpu"], meta["cores"], tf.__version__, main_backend, threads,
+                          meta["torch"], meta["fbn_grad_tf_isa"]))
+    print("times: median ms of %s interleaved calls inside tf.function; x = TF ms / ours ms "
+          "from the same process (>1: ours faster); GB/s = 3 x elements x itemsize / ours; "
+          "%%BW = fraction of %.1f GB/s" % ("the 'reps'" if not config.reps else config.reps,
+                                            bandwidth["bandwidth"]))
+    print()
+    print(format_table(rows, have_torch))
+    print()
+    print(format_summary(summary, bandwidth, have_torch))
+    notes = sorted({"%s: %s" % (b, r["tf_%s_error" % b]) for r in rows for b in ("onednn", "eigen")
+                    if r["tf_%s_ms" % b] is None and r["tf_%s_error" % b]})
+    if notes:
+        print()
+        print("n/a (TF refused or not run):")
+        for n in notes:
+            print("  " + n)
+    if have_torch:
+        tnotes = sorted({r["torch_error"] for r in rows if r["torch_error"]})
+        for n in tnotes:
+            print("  torch: " + n)
+    print()
+    print("elapsed %s" % _fmt_duration(elapsed))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "bandwidth": bandwidth, "summary": summary,
+                       "results": rows}, f, indent=1)
+    if args.plot:
+        msg = plot(rows, args.plot, have_torch)
+        print(msg if msg else "plot written to %s" % args.plot, file=sys.stderr)
+    if other_error:
+        print("error: %s" % other_error, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

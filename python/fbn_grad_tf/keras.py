@@ -1,0 +1,140 @@
+"""``fbn_grad_tf.keras.BatchNormalization``: Keras 3's BatchNormalization with TF's fused forward
+and fbn_grad_tf's backward.
+
+    import fbn_grad_tf
+    layer = fbn_grad_tf.keras.BatchNormalization()      # same arguments as keras.layers.BN
+
+It subclasses ``keras.layers.BatchNormalization`` (same constructor, weights, variable names,
+get_config and moving-statistics semantics) and replaces the math of ``call`` when it can:
+
+* fused path (4-D or 5-D input whose normalized axis is the channel axis: last -> NHWC/NDHWC,
+  1 -> NCHW/NCDHW; dtype float16/bfloat16/float32; no mask; renorm=False):
+  forward = ``tf.raw_ops.FusedBatchNormV3``, backward = our "FbnGrad>FusedBatchNormGradV3" op
+  (a tf.custom_gradient). Moving statistics are updated exactly like Keras 3 does:
+  ``moving = moving * momentum + batch_stat * (1 - momentum)`` with the *biased* batch
+  variance (what ``ops.moments`` returns). FusedBatchNormV3's output 2 is Bessel-corrected,
+  so it is rescaled by (M-1)/M, M = elements per channel (device-independent; the reserve
+  space holds different things on CPU and GPU).
+* anything else (2-D/3-D input, another axis, float64, a mask, renorm=True) falls back to
+  Keras' own implementation (plain TF ops, Keras' gradient) unchanged.
+
+Inside XLA compilation (tf.function(jit_compile=True), model.compile(jit_compile=True)) our
+op cannot be compiled: the layer keeps the fused forward but uses TF's own FusedBatchNormGradV3
+(a one-time RuntimeWarning says so). The layer sets ``supports_jit = False`` so that Keras'
+``jit_compile="auto"`` does not pick XLA for models containing it.
+
+Registered as a Keras serializable ("fbn_grad_tf>BatchNormalization"): ``import fbn_grad_tf``
+before ``keras.models.load_model`` of a .keras file that contains it.
+"""
+import keras
+import tensorflow as tf
+
+from . import gradients as _grads
+from .nn import _fused_batch_norm_v3
+
+_FUSED_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
+
+__all__ = ["BatchNormalization"]
+
+
+@keras.saving.register_keras_serializable(package="fbn_grad_tf")
+class BatchNormalization(keras.layers.BatchNormalization):
+    """keras.layers.BatchNormalization whose gradient is computed by fbn_grad_tf's op.
+
+    Arguments are those of ``keras.layers.BatchNormalization``. ``synchronized=True`` (SyncBN
+    across replicas) is not implemented yet and raises NotImplementedError.
+    """
+
+    def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,
+                 beta_initializer="zeros", gamma_initializer="ones",
+                 moving_mean_initializer="zeros", moving_variance_initializer="ones",
+                 beta_regularizer=None, gamma_regularizer=None, beta_constraint=None,
+                 gamma_constraint=None, renorm=False, renorm_clipping=None,
+                 renorm_momentum=0.99, synchronized=False, **kwargs):
+        if synchronized:
+            raise NotImplementedError(
+                "fbn_grad_tf.keras.BatchNormalization(synchronized=True) is not implemented "
+                "yet (planned: issue 7, synchronized batch norm). Use "
+                "keras.layers.BatchNormalization(synchronized=True) meanwhile.")
+        super().__init__(
+            axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
+            beta_initializer=beta_initializer, gamma_initializer=gamma_initializer,
+            moving_mean_initializer=moving_mean_initializer,
+            moving_variance_initializer=moving_variance_initializer,
+            beta_regularizer=beta_regularizer, gamma_regularizer=gamma_regularizer,
+            beta_constraint=beta_constraint, gamma_constraint=gamma_constraint,
+            renorm=renorm, renorm_clipping=renorm_clipping, renorm_momentum=renorm_momentum,
+            synchronized=False, **kwargs)
+        # Our op has no XLA kernel: keep Keras' jit_compile="auto" from choosing XLA.
+        self.supports_jit = False
+
+    # -- which path ------------------------------------------------------------------------
+
+    def fused_data_format(self, input_shape, dtype=None, mask=None):
+        """The data_format the fused path uses for this input, or None (Keras fallback)."""
+        if mask is not None or self.renorm or self.synchronized:
+            return None
+        if dtype is not None and tf.as_dtype(dtype) not in _FUSED_DTYPES:
+            return None
+        rank = len(input_shape)
+        if rank not in (4, 5):
+            return None
+        axis = self.axis % rank
+        if axis == rank - 1:
+            return "NHWC" if rank == 4 else "NDHWC"
+        if axis == 1:
+            return "NCHW" if rank == 4 else "NCDHW"
+        return None
+
+    # -- call ------------------------------------------------------------------------------
+
+    def call(self, inputs, training=None, mask=None):
+        data_format = self.fused_data_format(tuple(inputs.shape), inputs.dtype, mask)
+        if data_format is None:
+            return super().call(inputs, training=training, mask=mask)
+
+        x = tf.convert_to_tensor(inputs)
+        channels = self.moving_mean.shape[0]
+        gamma = (tf.cast(tf.convert_to_tensor(self.gamma), tf.float32) if self.scale
+                 else tf.ones([channels], tf.float32))
+        beta = (tf.cast(tf.convert_to_tensor(self.beta), tf.float32) if self.center
+                else tf.zeros([channels], tf.float32))
+        xla = _grads.in_xla_context()
+        if xla:
+            _grads.warn_xla_fallback("fbn_grad_tf.keras.BatchNormalization")
+
+        if training and self.trainable:
+            empty = tf.constant([], tf.float32)
+            if xla:
+                y, batch_mean, batch_var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+                    x=x, scale=gamma, offset=beta, mean=empty, variance=empty,
+                    epsilon=self.epsilon, exponential_avg_factor=1.0,
+                    data_format=data_format, is_training=True)
+            else:
+                y, batch_mean, batch_var = _fused_batch_norm_v3(
+                    x, gamma, beta, empty, empty, self.epsilon, 1.0, data_format, True)
+            # Keras 3 averages the *biased* batch variance; output 2 is var * M / max(M-1, 1).
+            m = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)
+            batch_var = tf.where(m > 1.0, batch_var * ((m - 1.0) / m), batch_var)
+            batch_mean = tf.stop_gradient(batch_mean)
+            batch_var = tf.stop_gradient(batch_var)
+            moving_mean = tf.cast(tf.convert_to_tensor(self.moving_mean), tf.float32)
+            moving_var = tf.cast(tf.convert_to_tensor(self.moving_variance), tf.float32)
+            self.moving_mean.assign(
+                moving_mean * self.momentum + batch_mean * (1.0 - self.momentum))
+            self.moving_variance.assign(
+                moving_var * self.momentum + batch_var * (1.0 - self.momentum))
+        else:
+            moving_mean = tf.cast(tf.convert_to_tensor(self.moving_mean), tf.float32)
+            moving_var = tf.cast(tf.convert_to_tensor(self.moving_variance), tf.float32)
+            if xla:
+                y = tf.raw_ops.FusedBatchNormV3(
+                    x=x, scale=gamma, offset=beta, mean=moving_mean, variance=moving_var,
+                    epsilon=self.epsilon, exponential_avg_factor=1.0,
+                    data_format=data_format, is_training=False)[0]
+            else:
+                y = _fused_batch_norm_v3(x, gamma, beta, moving_mean, moving_var,
+                                         self.epsilon, 1.0, data_format, False)[0]
+        if y.dtype != self.compute_dtype:
+            y = tf.cast(y, self.compute_dtype)
+        return y

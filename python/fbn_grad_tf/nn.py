@@ -1,0 +1,252 @@
+"""Using fbn_grad_tf's backward inside ordinary TensorFlow code.
+
+Two entry points:
+
+``fused_batch_norm(x, scale, offset, ...)``
+    Drop-in for ``tf.compat.v1.nn.fused_batch_norm``: the same forward (TF's FusedBatchNormV3)
+    and the same outputs ``(y, running_mean, running_var)``, but its gradient is computed by
+    our op (a ``tf.custom_gradient``). Works eagerly, in tf.function, under GradientTape and
+    under ``tf.compat.v1.gradients`` in TF1 graphs; second derivatives work too (our op's own
+    gradient is registered in gradients.py).
+
+``use_for_gradients()``
+    A context manager and decorator under which the gradients of TF's *own* forward ops
+    FusedBatchNormV3/V2/FusedBatchNorm (built by tf.compat.v1.nn.fused_batch_norm,
+    tf.raw_ops.FusedBatchNormV3, tf_keras' fused BatchNormalization, ...) are computed by our
+    op. See its docstring and docs/DROPIN.md for exactly when it applies.
+"""
+import collections
+import contextlib
+import threading
+
+import tensorflow as tf
+from tensorflow.python.framework import ops as _tf_ops
+from tensorflow.python.framework import registry as _tf_registry
+
+from . import gradients as _grads
+
+_DATA_FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
+
+
+# ---- fused_batch_norm ---------------------------------------------------------------------
+
+def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
+                     data_format="NHWC", is_training=True, exponential_avg_factor=1.0,
+                     name=None):
+    """Batch normalization with TF's fused forward and fbn_grad_tf's backward.
+
+    Same arguments, checks and results as ``tf.compat.v1.nn.fused_batch_norm`` of the pinned
+    TF 2.21 (x: 4-D or 5-D half/bfloat16/float32 tensor; scale, offset, mean, variance: [C]
+    float32):
+
+    * training with ``exponential_avg_factor == 1``: mean and variance must be None; returns
+      the batch mean and the Bessel-corrected batch variance;
+    * training with ``exponential_avg_factor != 1``: mean/variance are the running statistics
+      and the returned ones are blended, ``(1-f)*old + f*batch``;
+    * inference (``is_training=False``): mean/variance are the population statistics.
+
+    epsilon is passed through unchanged, as TF 2.21's wrapper does (older TF wrappers raised it
+    to at least 1.001e-5, a cuDNN requirement; TF 2.21's does not).
+
+    Gradients flow to x, scale and offset (none to mean/variance, as with TF's op); they are
+    computed by the "FbnGrad>FusedBatchNormGradV3" op, including channels-first inference,
+    which our op computes natively. Inside tf.function(jit_compile=True) our op cannot be
+    compiled, so TF's built-in gradient is used instead (one-time RuntimeWarning).
+
+    Returns:
+      (y, running_mean, running_var).
+    """
+    if (not is_training or exponential_avg_factor != 1.0) and (
+            (mean is None) or (variance is None)):
+        raise ValueError("Both `mean` and `variance` must be a 1D tensor when "
+                         "`is_training` is False or `exponential_avg_factor` != "
+                         f"1.0. Received: `mean` {mean!r} and `variance` "
+                         f"{variance!r}")
+    if isinstance(data_format, bytes):
+        data_format = data_format.decode()
+    if data_format not in _DATA_FORMATS:
+        raise ValueError("data_format must be one of %s, got %r"
+                         % (", ".join(_DATA_FORMATS), data_format))
+    is_training = bool(is_training)
+    epsilon = float(epsilon)
+    exponential_avg_factor = float(exponential_avg_factor)
+    x = tf.convert_to_tensor(x, name="input")
+    scale = tf.convert_to_tensor(scale, name="scale")
+    offset = tf.convert_to_tensor(offset, name="offset")
+    mean = tf.constant([]) if mean is None else tf.convert_to_tensor(mean)
+    variance = tf.constant([]) if variance is None else tf.convert_to_tensor(variance)
+    if _grads.in_xla_context():
+        # The forward op has an XLA kernel and its registered gradient too; ours does not.
+        _grads.warn_xla_fallback("fbn_grad_tf.fused_batch_norm")
+        y, running_mean, running_var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+            x=x, scale=scale, offset=offset, mean=mean, variance=variance, epsilon=epsilon,
+            exponential_avg_factor=exponential_avg_factor, data_format=data_format,
+            is_training=is_training, name=name)
+        return y, running_mean, running_var
+    return _fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon,
+                                exponential_avg_factor, data_format, is_training, name)
+
+
+def _fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon, exponential_avg_factor,
+                         data_format, is_training, name=None, return_reserve=False):
+    """FusedBatchNormV3 forward with a custom gradient that calls our op.
+
+    Returns (y, batch_mean, batch_variance) (plus reserve_space_1/2 if return_reserve)."""
+
+    @tf.custom_gradient
+    def _fbn(x, scale, offset, mean, variance):
+        y, batch_mean, batch_var, rs1, rs2, rs3 = tf.raw_ops.FusedBatchNormV3(
+            x=x, scale=scale, offset=offset, mean=mean, variance=variance, epsilon=epsilon,
+            exponential_avg_factor=exponential_avg_factor, data_format=data_format,
+            is_training=is_training, name=name)
+
+        def grad(dy, *unused_stat_grads):
+            # Like TF's gradient: only dy is used; mean/variance get no gradient.
+            if dy is None:
+                dy = tf.zeros_like(y)
+            if is_training:
+                saved_mean, saved_var = rs1, rs2
+            else:
+                saved_mean, saved_var = mean, variance
+            dx, dscale, doffset = _grads.fbn_backward(
+                dy, x, scale, saved_mean, saved_var, rs3, epsilon, data_format, is_training,
+                where="fbn_grad_tf.fused_batch_norm")
+            if dscale.dtype != scale.dtype:
+                dscale = tf.cast(dscale, scale.dtype)
+            if doffset.dtype != offset.dtype:
+                doffset = tf.cast(doffset, offset.dtype)
+            return dx, dscale, doffset, None, None
+
+        outs = (y, batch_mean, batch_var)
+        if return_reserve:
+            outs += (tf.stop_gradient(rs1), tf.stop_gradient(rs2))
+        return outs, grad
+
+    return _fbn(x, scale, offset, mean, variance)
+
+
+# ---- use_for_gradients ----------------------------------------------------------------------
+
+_FORWARD_OPS = tuple(_grads.FORWARD_GRAD_NAMES)
+_patch_lock = threading.RLock()
+_patch_depth = collections.Counter()
+_saved_entries = {}
+
+
+def _gradient_registry():
+    return _tf_ops._gradient_registry  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def _patched_gradient_registry(op_types):
+    """Swaps TF's registered gradient function of `op_types` for ours while active.
+
+    Reference-counted per op type, so nesting and concurrent use from several threads restore
+    TF's entry only when the last user leaves. The registry is process-global: while any
+    thread is inside, *every* thread's gradients of these ops use our op."""
+    table = _gradient_registry()._registry  # pylint: disable=protected-access
+    type_tag = _tf_registry._TYPE_TAG  # pylint: disable=protected-access
+    with _patch_lock:
+        for t in op_types:
+            if _patch_depth[t] == 0:
+                saved = table.get(t)
+                _saved_entries[t] = saved
+                entry = dict(saved) if saved is not None else {
+                    _tf_registry._LOCATION_TAG: None}  # pylint: disable=protected-access
+                entry[type_tag] = _grads.FORWARD_GRAD_FUNCTIONS[t]
+                table[t] = entry
+            _patch_depth[t] += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            for t in op_types:
+                _patch_depth[t] -= 1
+                if _patch_depth[t] == 0:
+                    saved = _saved_entries.pop(t)
+                    if saved is None:
+                        table.pop(t, None)
+                    else:
+                        table[t] = saved
+
+
+def registry_patched(op_type="FusedBatchNormV3"):
+    """True while a use_for_gradients() context has swapped `op_type`'s gradient function."""
+    return _patch_depth[op_type] > 0
+
+
+class use_for_gradients(contextlib.ContextDecorator):  # noqa: N801 (reads like a function)
+    """Compute gradients of TF's FusedBatchNormV3/V2/FusedBatchNorm with fbn_grad_tf's op.
+
+    Use as a context manager or decorator::
+
+        with fbn_grad_tf.use_for_gradients():
+            with tf.GradientTape() as tape:
+                y, _, _ = tf.compat.v1.nn.fused_batch_norm(x, scale, offset)
+                loss = ...
+            grads = tape.gradient(loss, [x, scale, offset])
+
+        @tf.function
+        @fbn_grad_tf.use_for_gradients()
+        def train_step(...): ...
+
+    Two mechanisms, both on by default:
+
+    graph=True
+        If entered while a graph is being built (inside tf.function tracing, or in a TF1
+        ``tf.Graph``), ``graph.gradient_override_map({"FusedBatchNormV3": "FbnGrad>
+        FusedBatchNormV3", ...})`` is active on that graph, so every forward op *created* in
+        the block is tagged (attr ``_gradient_op_type``). Gradients built later by
+        ``tf.gradients``/``tf.compat.v1.gradients``, or by a GradientTape outside the
+        tf.function that traced the op, use our op even after the block has exited.
+        GradientTape *inside* a tf.function ignores this tag.
+
+    registry=True
+        While the block is active, TF's gradient registry entry for those op types is
+        swapped for ours (restored on exit, reference-counted). Every gradient *built* in the
+        block uses our op: eager GradientTape (the tape looks gradients up when
+        ``tape.gradient`` runs, so that call must be inside the block), GradientTape inside a
+        tf.function being traced, tf.gradients. The registry is process-global: other threads
+        computing batch-norm gradients at the same time also get our op.
+
+    Not covered: gradients already built before entering (a tf.function's cached
+    backward function, Keras' already-traced train_function), and Keras 3's own
+    keras.layers.BatchNormalization, which does not use FusedBatchNorm ops at all (use
+    fbn_grad_tf.keras.BatchNormalization). Inside XLA (jit_compile=True) TF's gradient op is
+    used (one-time warning).
+    """
+
+    def __init__(self, graph=True, registry=True, op_types=_FORWARD_OPS):
+        op_types = (op_types,) if isinstance(op_types, str) else tuple(op_types)
+        for t in op_types:
+            if t not in _grads.FORWARD_GRAD_NAMES:
+                raise ValueError("op_types: %r is not one of %s" % (t, ", ".join(_FORWARD_OPS)))
+        self._graph = bool(graph)
+        self._registry = bool(registry)
+        self._op_types = op_types
+        self._stacks = threading.local()
+
+    def _recreate_cm(self):
+        # Decorator use: a fresh context per call (reentrancy, recursion, threads).
+        return use_for_gradients(self._graph, self._registry, self._op_types)
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        try:
+            if self._graph and not tf.executing_eagerly():
+                g = tf.compat.v1.get_default_graph()
+                stack.enter_context(g.gradient_override_map(
+                    {t: _grads.FORWARD_GRAD_NAMES[t] for t in self._op_types}))
+            if self._registry:
+                stack.enter_context(_patched_gradient_registry(self._op_types))
+        except BaseException:
+            stack.close()
+            raise
+        if not hasattr(self._stacks, "items"):
+            self._stacks.items = []
+        self._stacks.items.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        self._stacks.items.pop().close()
+        return False
