@@ -29,7 +29,7 @@ CORE_SOURCES = [
 CUDA_SOURCES = ["csrc/core/bn_grad_cuda.cu"]
 # Rebuild triggers beyond the sources themselves.
 DEPENDS = ["csrc/core/bn_grad.h", "csrc/core/bn_grad_cuda.h",
-           "csrc/core/cpu/bn_grad_cpu_kernels.inc"]
+           "csrc/core/cpu/bn_grad_cpu_kernels.inc", "csrc/core/cpu/bn_grad_cpu_kernels.h"]
 # Same arch list in BUILD. nvcc 13 has no sm_70; PTX of sm_90 for newer GPUs.
 CUDA_GENCODE = [
     "-gencode=arch=compute_75,code=sm_75",

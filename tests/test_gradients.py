@@ -208,5 +208,6 @@ def test_double_backprop_returns_none_for_reserve_spaces():
         t.watch([dy, x, scale, m, v, rs3])
         dx = fbn_grad_tf.raw_op(y_backprop=dy, x=x, scale=scale, reserve_space_1=m,
                                 reserve_space_2=v, reserve_space_3=rs3, epsilon=EPS)[0]
-    g = t.gradient(tf.reduce_sum(dx * dx), [dy, x, scale, m, v, rs3])
+        loss = tf.reduce_sum(dx * dx)
+    g = t.gradient(loss, [dy, x, scale, m, v, rs3])
     assert all(a is not None for a in g[:3]) and all(a is None for a in g[3:])

@@ -48,7 +48,7 @@ def test_reference_is_gradient_of_batch_norm(fmt, training):
     bshape = [1] * len(shape)
     bshape[channel_axis(fmt)] = c
     pop_mean, pop_var = rng.standard_normal(c) * 0.3, rng.uniform(0.5, 2.0, c)
-    eps = 1e-3
+    eps = 2.0 ** -10  # exact in float32 (the op's attr type)
 
     xt, gt, bt = (tf.constant(v, tf.float64) for v in (x, gamma, beta))
     with tf.GradientTape() as tape:
@@ -67,12 +67,7 @@ def test_reference_is_gradient_of_batch_norm(fmt, training):
         rs1, rs2 = x.mean(axis=axes), x.var(axis=axes)
     else:
         rs1, rs2 = pop_mean, pop_var
-    # float32(eps) inside the reference: pass an epsilon exact in float32.
-    eps32 = float(np.float32(eps))
-    dx, dscale, doffset = reference_float64(dy, x, gamma, rs1, rs2, eps32, fmt, training)
-    if eps32 != eps:  # re-derive with the exact epsilon the autodiff used
-        inv_ratio = np.sqrt((rs2 + eps32) / (rs2 + eps))
-        dscale = dscale * inv_ratio
+    dx, dscale, doffset = reference_float64(dy, x, gamma, rs1, rs2, eps, fmt, training)
     np.testing.assert_allclose(doffset, gb, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(dscale, gg, rtol=1e-6)
     np.testing.assert_allclose(dx, gx, rtol=1e-6, atol=1e-9 * np.abs(gx).max())

@@ -86,6 +86,17 @@ ValidationResult ValidateBnGradInputs(const std::vector<int64_t>& y_backprop_dim
                                       const std::vector<int64_t>& reserve_space_2_dims,
                                       DataFormat format, float epsilon);
 
+// The general form: y_backprop and x plus any number of per-channel vectors, each of which
+// must have shape [C]. Used by the split (reduce/apply) entry points.
+struct NamedDims {
+  const char* name;
+  const std::vector<int64_t>* dims;
+};
+ValidationResult ValidateBnInputs(const std::vector<int64_t>& y_backprop_dims,
+                                  const std::vector<int64_t>& x_dims,
+                                  const std::vector<NamedDims>& per_channel, DataFormat format,
+                                  float epsilon);
+
 std::string ShapeString(const std::vector<int64_t>& dims);
 
 // ---------------------------------------------------------------------------------------
@@ -139,6 +150,20 @@ extern template void BnGradCpu<half_t>(const BnGradParams&, const BnGradArgs<hal
                                        const TaskRunner&, CpuIsa);
 extern template void BnGradCpu<bfloat16_t>(const BnGradParams&, const BnGradArgs<bfloat16_t>&,
                                            const TaskRunner&, CpuIsa);
+
+// Split backward, for cross-replica (synchronized) batch norm, training mode only:
+//   reduce: sum_dy[c] = sum(dy), sum_dy_xmu[c] = sum(dy * (x - saved_mean[c])) over the
+//           local tensor (uses args.dy, x, saved_mean);
+//   apply:  dx from sums over `count` elements per channel, typically all-reduced across
+//           replicas (uses args.dy, x, scale, saved_mean, saved_var, dx).
+// Reduce followed by Apply with the local sums and count = shape.per_channel() is bitwise
+// identical to BnGradCpu's x_backprop.
+template <typename T>
+void BnGradReduceCpu(const BnGradParams& params, const BnGradArgs<T>& args, float* sum_dy,
+                     float* sum_dy_xmu, const TaskRunner& runner, CpuIsa isa);
+template <typename T>
+void BnGradApplyCpu(const BnGradParams& params, const BnGradArgs<T>& args, const float* sum_dy,
+                    const float* sum_dy_xmu, float count, const TaskRunner& runner, CpuIsa isa);
 
 // Scalar conversions used everywhere on the CPU (round to nearest even, NaN kept quiet).
 float HalfToFloat(half_t h);

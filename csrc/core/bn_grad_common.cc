@@ -9,20 +9,9 @@
 #include <thread>
 
 #include "bn_grad.h"
+#include "cpu/bn_grad_cpu_kernels.h"
 
 namespace fbn {
-
-// Each ISA translation unit (cpu/bn_grad_cpu_<isa>.cc) defines these in its namespace.
-#define FBN_DECLARE_ISA(ns)                                                                 \
-  namespace ns {                                                                            \
-  void BnGradF32(const BnGradParams&, const BnGradArgs<float>&, const TaskRunner&);         \
-  void BnGradF16(const BnGradParams&, const BnGradArgs<half_t>&, const TaskRunner&);        \
-  void BnGradBF16(const BnGradParams&, const BnGradArgs<bfloat16_t>&, const TaskRunner&);   \
-  }
-FBN_DECLARE_ISA(baseline)
-FBN_DECLARE_ISA(avx2)
-FBN_DECLARE_ISA(avx512)
-#undef FBN_DECLARE_ISA
 
 // ---- data formats -------------------------------------------------------------------------
 
@@ -85,12 +74,10 @@ bool CheckedNumElements(const std::vector<int64_t>& dims, int64_t* out) {
 
 }  // namespace
 
-ValidationResult ValidateBnGradInputs(const std::vector<int64_t>& dy_dims,
-                                      const std::vector<int64_t>& x_dims,
-                                      const std::vector<int64_t>& scale_dims,
-                                      const std::vector<int64_t>& rs1_dims,
-                                      const std::vector<int64_t>& rs2_dims, DataFormat format,
-                                      float epsilon) {
+ValidationResult ValidateBnInputs(const std::vector<int64_t>& dy_dims,
+                                  const std::vector<int64_t>& x_dims,
+                                  const std::vector<NamedDims>& per_channel, DataFormat format,
+                                  float epsilon) {
   const int rank = DataFormatRank(format);
   const std::string fmt = DataFormatName(format);
   const auto rank_error = [&](const char* name, const std::vector<int64_t>& d) {
@@ -108,14 +95,7 @@ ValidationResult ValidateBnGradInputs(const std::vector<int64_t>& dy_dims,
     return Fail("x has shape " + ShapeString(x_dims) +
                 ": dimensions must be non-negative and their product must fit in 64 bits");
   }
-  struct Vec {
-    const char* name;
-    const std::vector<int64_t>* dims;
-  };
-  const Vec vecs[] = {{"scale", &scale_dims},
-                      {"reserve_space_1 (saved mean)", &rs1_dims},
-                      {"reserve_space_2 (saved variance)", &rs2_dims}};
-  for (const Vec& v : vecs) {
+  for (const NamedDims& v : per_channel) {
     if (v.dims->size() != 1) {
       return Fail(std::string(v.name) + " must be 1-dimensional, got shape " +
                   ShapeString(*v.dims));
@@ -123,7 +103,7 @@ ValidationResult ValidateBnGradInputs(const std::vector<int64_t>& dy_dims,
   }
   const int channel_axis = IsChannelsFirst(format) ? 1 : rank - 1;
   const int64_t C = x_dims[channel_axis];
-  for (const Vec& v : vecs) {
+  for (const NamedDims& v : per_channel) {
     if ((*v.dims)[0] != C) {
       return Fail(std::string(v.name) + " must have " + std::to_string(C) +
                   " elements, the channel count of x (axis " + std::to_string(channel_axis) +
@@ -150,6 +130,19 @@ ValidationResult ValidateBnGradInputs(const std::vector<int64_t>& dy_dims,
   }
   r.shape.channels = C;
   return r;
+}
+
+ValidationResult ValidateBnGradInputs(const std::vector<int64_t>& dy_dims,
+                                      const std::vector<int64_t>& x_dims,
+                                      const std::vector<int64_t>& scale_dims,
+                                      const std::vector<int64_t>& rs1_dims,
+                                      const std::vector<int64_t>& rs2_dims, DataFormat format,
+                                      float epsilon) {
+  return ValidateBnInputs(dy_dims, x_dims,
+                          {{"scale", &scale_dims},
+                           {"reserve_space_1 (saved mean)", &rs1_dims},
+                           {"reserve_space_2 (saved variance)", &rs2_dims}},
+                          format, epsilon);
 }
 
 // ---- 16-bit conversions (round to nearest even) ----------------------------------------
@@ -317,35 +310,44 @@ namespace {
 CpuIsa Usable(CpuIsa isa) { return CpuSupports(isa) ? isa : BestIsa(); }
 
 template <typename T>
-struct IsaTable;
-template <>
-struct IsaTable<float> {
-  static constexpr decltype(&baseline::BnGradF32) fns[] = {baseline::BnGradF32, avx2::BnGradF32,
-                                                           avx512::BnGradF32};
-};
-template <>
-struct IsaTable<half_t> {
-  static constexpr decltype(&baseline::BnGradF16) fns[] = {baseline::BnGradF16, avx2::BnGradF16,
-                                                           avx512::BnGradF16};
-};
-template <>
-struct IsaTable<bfloat16_t> {
-  static constexpr decltype(&baseline::BnGradBF16) fns[] = {
-      baseline::BnGradBF16, avx2::BnGradBF16, avx512::BnGradBF16};
-};
+cpu::KernelSet<T> KernelsFor(CpuIsa isa) {
+  switch (Usable(isa)) {
+    case CpuIsa::kAvx512: return avx512::Kernels<T>();
+    case CpuIsa::kAvx2: return avx2::Kernels<T>();
+    case CpuIsa::kBaseline: break;
+  }
+  return baseline::Kernels<T>();
+}
 }  // namespace
 
 template <typename T>
 void BnGradCpu(const BnGradParams& params, const BnGradArgs<T>& args, const TaskRunner& runner,
                CpuIsa isa) {
-  IsaTable<T>::fns[static_cast<int>(Usable(isa))](params, args, runner);
+  KernelsFor<T>(isa).fused(params, args, runner);
 }
 
-template void BnGradCpu<float>(const BnGradParams&, const BnGradArgs<float>&, const TaskRunner&,
-                               CpuIsa);
-template void BnGradCpu<half_t>(const BnGradParams&, const BnGradArgs<half_t>&,
-                                const TaskRunner&, CpuIsa);
-template void BnGradCpu<bfloat16_t>(const BnGradParams&, const BnGradArgs<bfloat16_t>&,
-                                    const TaskRunner&, CpuIsa);
+template <typename T>
+void BnGradReduceCpu(const BnGradParams& params, const BnGradArgs<T>& args, float* sum_dy,
+                     float* sum_dy_xmu, const TaskRunner& runner, CpuIsa isa) {
+  KernelsFor<T>(isa).reduce(params, args, sum_dy, sum_dy_xmu, runner);
+}
+
+template <typename T>
+void BnGradApplyCpu(const BnGradParams& params, const BnGradArgs<T>& args, const float* sum_dy,
+                    const float* sum_dy_xmu, float count, const TaskRunner& runner, CpuIsa isa) {
+  KernelsFor<T>(isa).apply(params, args, sum_dy, sum_dy_xmu, count, runner);
+}
+
+#define FBN_INSTANTIATE(T)                                                                 \
+  template void BnGradCpu<T>(const BnGradParams&, const BnGradArgs<T>&, const TaskRunner&,  \
+                             CpuIsa);                                                      \
+  template void BnGradReduceCpu<T>(const BnGradParams&, const BnGradArgs<T>&, float*, float*, \
+                                   const TaskRunner&, CpuIsa);                             \
+  template void BnGradApplyCpu<T>(const BnGradParams&, const BnGradArgs<T>&, const float*,  \
+                                  const float*, float, const TaskRunner&, CpuIsa);
+FBN_INSTANTIATE(float)
+FBN_INSTANTIATE(half_t)
+FBN_INSTANTIATE(bfloat16_t)
+#undef FBN_INSTANTIATE
 
 }  // namespace fbn

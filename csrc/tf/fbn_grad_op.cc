@@ -4,6 +4,7 @@
 // The op has the signature of TF's built-in FusedBatchNormGradV3 under a name of our own:
 // registering kernels for the built-in name breaks TF (duplicate registrations, or a crash
 // in the oneDNN graph rewrite), see README "Op name".
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -191,6 +192,198 @@ FBN_REGISTER_CPU(float)
 FBN_REGISTER_CPU(Eigen::half)
 FBN_REGISTER_CPU(Eigen::bfloat16)
 #undef FBN_REGISTER_CPU
+
+// ---- split backward for cross-replica batch norm (CPU) --------------------------------------
+// reduce: local per-channel sums; the caller all-reduces them; apply: x_backprop from the
+// (global) sums. reduce + apply with the local sums equals our fused op's x_backprop bitwise.
+
+namespace {
+using tensorflow::shape_inference::DimensionHandle;
+using tensorflow::shape_inference::InferenceContext;
+using tensorflow::shape_inference::ShapeHandle;
+
+// Merges y_backprop (input 0) and x (input 1) at the data_format's rank, then merges inputs
+// [first_vec, last_vec] as [C] vectors into the channel dimension. Returns x's shape with
+// the merged channel dimension, and that dimension.
+absl::Status ActivationAndVectors(InferenceContext* c, int first_vec, int last_vec,
+                                  ShapeHandle* x, DimensionHandle* channels) {
+  std::string format;
+  TF_RETURN_IF_ERROR(c->GetAttr("data_format", &format));
+  const int rank = (format == "NDHWC" || format == "NCDHW") ? 5 : 4;
+  const int axis = (format == "NCHW" || format == "NCDHW") ? 1 : rank - 1;
+  ShapeHandle dy;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), rank, &dy));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), rank, x));
+  TF_RETURN_IF_ERROR(c->Merge(*x, dy, x));
+  *channels = c->Dim(*x, axis);
+  for (int i = first_vec; i <= last_vec; ++i) {
+    ShapeHandle v;
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &v));
+    TF_RETURN_IF_ERROR(c->Merge(*channels, c->Dim(v, 0), channels));
+  }
+  return c->ReplaceDim(*x, axis, *channels, x);
+}
+}  // namespace
+
+REGISTER_OP("FbnGrad>BatchNormGradReduce")
+    .Input("y_backprop: T")
+    .Input("x: T")
+    .Input("mean: U")
+    .Output("sum_dy: U")
+    .Output("sum_dy_xmu: U")
+    .Output("count: U")
+    .Attr("T: {half, bfloat16, float}")
+    .Attr("U: {float}")
+    .Attr("data_format: { 'NHWC', 'NCHW', 'NDHWC', 'NCDHW' } = 'NHWC'")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle x;
+      DimensionHandle channels;
+      TF_RETURN_IF_ERROR(ActivationAndVectors(c, 2, 2, &x, &channels));
+      c->set_output(0, c->Vector(channels));
+      c->set_output(1, c->Vector(channels));
+      c->set_output(2, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Local per-channel sums of the batch-norm backward (training): sum_dy = sum(y_backprop),
+sum_dy_xmu = sum(y_backprop * (x - mean)), count = elements per channel (as float).
+)doc");
+
+REGISTER_OP("FbnGrad>BatchNormGradApply")
+    .Input("y_backprop: T")
+    .Input("x: T")
+    .Input("scale: float")
+    .Input("mean: U")
+    .Input("variance: U")
+    .Input("sum_dy: U")
+    .Input("sum_dy_xmu: U")
+    .Input("count: U")
+    .Output("x_backprop: T")
+    .Attr("T: {half, bfloat16, float}")
+    .Attr("U: {float}")
+    .Attr("epsilon: float = 0.0001")
+    .Attr("data_format: { 'NHWC', 'NCHW', 'NDHWC', 'NCDHW' } = 'NHWC'")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle x, count;
+      DimensionHandle channels;
+      TF_RETURN_IF_ERROR(ActivationAndVectors(c, 2, 6, &x, &channels));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(7), 0, &count));
+      c->set_output(0, x);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+x_backprop of the batch-norm backward (training) from per-channel sums over `count`
+elements per channel, typically all-reduced across replicas. mean/variance are the batch
+statistics the forward normalized with (variance biased, as TF's CPU forward saves it).
+)doc");
+
+// Shared by the split kernels: attrs and validation of (y_backprop, x, [C] vectors...).
+class SplitOpBase : public OpKernel {
+ public:
+  explicit SplitOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string format;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("data_format", &format));
+    OP_REQUIRES(ctx, fbn::ParseDataFormat(format, &format_),
+                tensorflow::errors::InvalidArgument("Invalid data format: ", format));
+    if (ctx->HasAttr("epsilon")) OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &epsilon_));
+  }
+
+ protected:
+  // names[i] names input i + 2. Returns false if ctx holds an error.
+  bool Validate(OpKernelContext* ctx, const std::vector<const char*>& names,
+                fbn::BnGradParams* params) {
+    std::vector<std::vector<int64_t>> dims;
+    for (size_t i = 0; i < names.size(); ++i) dims.push_back(Dims(ctx->input(2 + i)));
+    std::vector<fbn::NamedDims> vecs;
+    for (size_t i = 0; i < names.size(); ++i) vecs.push_back({names[i], &dims[i]});
+    const fbn::ValidationResult v = fbn::ValidateBnInputs(
+        Dims(ctx->input(0)), Dims(ctx->input(1)), vecs, format_, epsilon_);
+    if (!v.ok) {
+      ctx->SetStatus(tensorflow::errors::InvalidArgument(v.error));
+      return false;
+    }
+    params->shape = v.shape;
+    params->epsilon = epsilon_;
+    params->is_training = true;
+    params->saved_stat = fbn::SavedStat::kVariance;
+    return true;
+  }
+
+  fbn::DataFormat format_ = fbn::DataFormat::kNHWC;
+  float epsilon_ = 0.0f;
+};
+
+template <typename T>
+class FbnGradReduceOp : public SplitOpBase {
+ public:
+  using SplitOpBase::SplitOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    using CT = typename CoreType<T>::type;
+    fbn::BnGradParams params;
+    if (!Validate(ctx, {"mean"}, &params)) return;
+    const int64_t C = params.shape.channels;
+    Tensor *sum_dy = nullptr, *sum_dy_xmu = nullptr, *count = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({C}), &sum_dy));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({C}), &sum_dy_xmu));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &count));
+    count->scalar<float>()() = static_cast<float>(params.shape.per_channel());
+    fbn::BnGradArgs<CT> a;
+    a.dy = reinterpret_cast<const CT*>(ctx->input(0).flat<T>().data());
+    a.x = reinterpret_cast<const CT*>(ctx->input(1).flat<T>().data());
+    a.saved_mean = ctx->input(2).flat<float>().data();
+    IntraOpRunner runner(ctx->device()->tensorflow_cpu_worker_threads()->workers);
+    fbn::BnGradReduceCpu(params, a, sum_dy->flat<float>().data(),
+                         sum_dy_xmu->flat<float>().data(), runner, fbn::DefaultCpuIsa());
+  }
+};
+
+template <typename T>
+class FbnGradApplyOp : public SplitOpBase {
+ public:
+  using SplitOpBase::SplitOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    using CT = typename CoreType<T>::type;
+    fbn::BnGradParams params;
+    if (!Validate(ctx, {"scale", "mean", "variance", "sum_dy", "sum_dy_xmu"}, &params)) return;
+    const Tensor& count = ctx->input(7);
+    OP_REQUIRES(ctx, count.dims() == 0,
+                tensorflow::errors::InvalidArgument("count must be a scalar, got shape ",
+                                                    count.shape().DebugString()));
+    const float n = count.scalar<float>()();
+    OP_REQUIRES(ctx, params.shape.elements() == 0 || (std::isfinite(n) && n >= 1.0f),
+                tensorflow::errors::InvalidArgument(
+                    "count must be a finite number >= 1 (elements per channel over all "
+                    "replicas), got ", n));
+    Tensor* dx = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ctx->input(1).shape(), &dx));
+    fbn::BnGradArgs<CT> a;
+    a.dy = reinterpret_cast<const CT*>(ctx->input(0).flat<T>().data());
+    a.x = reinterpret_cast<const CT*>(ctx->input(1).flat<T>().data());
+    a.scale = ctx->input(2).flat<float>().data();
+    a.saved_mean = ctx->input(3).flat<float>().data();
+    a.saved_var = ctx->input(4).flat<float>().data();
+    a.dx = reinterpret_cast<CT*>(dx->flat<T>().data());
+    IntraOpRunner runner(ctx->device()->tensorflow_cpu_worker_threads()->workers);
+    fbn::BnGradApplyCpu(params, a, ctx->input(5).flat<float>().data(),
+                        ctx->input(6).flat<float>().data(), n, runner, fbn::DefaultCpuIsa());
+  }
+};
+
+#define FBN_REGISTER_SPLIT(T)                                                                \
+  REGISTER_KERNEL_BUILDER(Name("FbnGrad>BatchNormGradReduce")                                \
+                              .Device(tensorflow::DEVICE_CPU)                                \
+                              .TypeConstraint<T>("T")                                        \
+                              .TypeConstraint<float>("U"),                                   \
+                          FbnGradReduceOp<T>);                                               \
+  REGISTER_KERNEL_BUILDER(Name("FbnGrad>BatchNormGradApply")                                 \
+                              .Device(tensorflow::DEVICE_CPU)                                \
+                              .TypeConstraint<T>("T")                                        \
+                              .TypeConstraint<float>("U"),                                   \
+                          FbnGradApplyOp<T>);
+FBN_REGISTER_SPLIT(float)
+FBN_REGISTER_SPLIT(Eigen::half)
+FBN_REGISTER_SPLIT(Eigen::bfloat16)
+#undef FBN_REGISTER_SPLIT
 
 #if FBN_WITH_CUDA
 // GPU kernel: TF's GPU forward stores the inverse std in reserve_space_2 (cuDNN), so the

@@ -777,6 +777,14 @@ def format_summary(summary, bandwidth=None, have_torch=False):
     return "\n".join(out)
 
 
+def _leading_digit(v):
+    return int(round(v / 10 ** math.floor(math.log10(v)))) if v > 0 else 0
+
+
+def _tick_label(v, _=None):
+    return "%gx" % v
+
+
 def plot(rows, path, have_torch=False):
     """Bar chart of speed-ups (log scale), one panel per dtype. Returns an error message
     instead of raising when matplotlib is missing."""
@@ -784,6 +792,7 @@ def plot(rows, path, have_torch=False):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker  # noqa: F401
     except ImportError:
         return ("--plot: matplotlib is not importable in this environment (pip install "
                 "matplotlib); no plot written to %s" % path)
@@ -800,9 +809,17 @@ def plot(rows, path, have_torch=False):
         for i, (key, name) in enumerate(targets):
             vals = [r[key] if r[key] is not None else np.nan for r in sel]
             ax.bar(xs + (i - (len(targets) - 1) / 2) * w, vals, w, label=name)
+            for x, v in zip(xs, vals):
+                if np.isnan(v):
+                    ax.text(x + (i - (len(targets) - 1) / 2) * w, 1.0, "n/a", rotation=90,
+                            ha="center", va="bottom", fontsize=6, color="0.4")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_yscale("log")
-        ax.set_ylabel("speed-up (TF / ours)")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_tick_label))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+            lambda v, _: _tick_label(v) if _leading_digit(v) in (2, 3, 5) else ""))
+        ax.tick_params(axis="y", which="minor", labelsize=6)
+        ax.set_ylabel("speed-up (their ms / our ms)")
         ax.set_title(dtype)
         ax.set_xticks(xs)
         ax.set_xticklabels(["%s %s %s" % (shape_str(r["tensor_shape"]), r["format"],
@@ -810,6 +827,8 @@ def plot(rows, path, have_torch=False):
                            rotation=60, ha="right", fontsize=7)
         ax.legend(fontsize=8)
         ax.grid(axis="y", which="both", alpha=0.3)
+    fig.suptitle("fbn_grad_tf speed-up over TF FusedBatchNormGradV3%s (>1: ours faster)"
+                 % (" and PyTorch" if have_torch else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -852,6 +871,8 @@ def build_parser():
                    "and NumPy bandwidth threads); default: TF's default (all cores)")
     p.add_argument("--json", metavar="FILE", help="write machine-readable results")
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of speed-ups (matplotlib)")
+    p.add_argument("--bandwidth-mib", type=int, default=256, metavar="MIB",
+                   help="array size for the bandwidth measurement (default 256 MiB)")
     p.add_argument("--no-eigen", action="store_true",
                    help="skip the second TF backend (the worker subprocess)")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if importable")
@@ -894,7 +915,13 @@ def run_worker_subprocess(backend, config, timeout=None):
     try:
         cmd = [sys.executable, "-m", "fbn_grad_tf.bench", "--_worker", backend,
                "--_config", json.dumps(wcfg.to_json()), "--json", path]
-        proc = subprocess.run(cmd, env=env, stdout=sys.stderr, timeout=timeout)
+        try:  # the worker's output goes to our stderr, live where it has a file descriptor
+            sys.stderr.flush()
+            proc = subprocess.run(cmd, env=env, stdout=sys.stderr.fileno(), timeout=timeout)
+        except (AttributeError, ValueError, OSError):  # stderr is not a file (e.g. captured)
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, timeout=timeout)
+            sys.stderr.write(proc.stdout.decode(errors="replace"))
         if proc.returncode != 0:
             raise RuntimeError("the %s worker (TF_ENABLE_ONEDNN_OPTS=%s) failed with exit "
                                "code %d (see its messages above)"
@@ -944,7 +971,7 @@ def main(argv=None):
               % os.environ.get("TF_ENABLE_ONEDNN_OPTS"), file=sys.stderr)
     if config.progress:
         print("measuring memory bandwidth ...", file=sys.stderr, flush=True)
-    bandwidth = measure_bandwidth(threads)
+    bandwidth = measure_bandwidth(threads, mib=args.bandwidth_mib)
     main_res = run(config)
     other_res, other_error = None, None
     if not args.no_eigen:

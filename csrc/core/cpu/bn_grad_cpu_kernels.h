@@ -1,0 +1,38 @@
+// Internal interface between the CPU dispatcher (bn_grad_common.cc) and the per-ISA
+// compilations of bn_grad_cpu_kernels.inc.
+#ifndef FBN_GRAD_TF_CORE_CPU_BN_GRAD_CPU_KERNELS_H_
+#define FBN_GRAD_TF_CORE_CPU_BN_GRAD_CPU_KERNELS_H_
+
+#include "../bn_grad.h"
+
+namespace fbn {
+namespace cpu {
+
+// The entry points of one ISA path for one element type.
+template <typename T>
+struct KernelSet {
+  void (*fused)(const BnGradParams&, const BnGradArgs<T>&, const TaskRunner&);
+  void (*reduce)(const BnGradParams&, const BnGradArgs<T>&, float* sum_dy, float* sum_dy_xmu,
+                 const TaskRunner&);
+  void (*apply)(const BnGradParams&, const BnGradArgs<T>&, const float* sum_dy,
+                const float* sum_dy_xmu, float count, const TaskRunner&);
+};
+
+}  // namespace cpu
+
+#define FBN_DECLARE_ISA_KERNELS(ns)        \
+  namespace ns {                           \
+  template <typename T>                    \
+  cpu::KernelSet<T> Kernels();             \
+  extern template cpu::KernelSet<float> Kernels<float>();             \
+  extern template cpu::KernelSet<half_t> Kernels<half_t>();           \
+  extern template cpu::KernelSet<bfloat16_t> Kernels<bfloat16_t>();   \
+  }
+FBN_DECLARE_ISA_KERNELS(baseline)
+FBN_DECLARE_ISA_KERNELS(avx2)
+FBN_DECLARE_ISA_KERNELS(avx512)
+#undef FBN_DECLARE_ISA_KERNELS
+
+}  // namespace fbn
+
+#endif  // FBN_GRAD_TF_CORE_CPU_BN_GRAD_CPU_KERNELS_H_
