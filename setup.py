@@ -145,8 +145,17 @@ class BuildExt(build_ext):
 
     def run(self):
         self.parallel = None  # per-extension build_temp is not thread-safe
+        # setuptools only compares timestamps: force a full rebuild when the configuration
+        # (CUDA on/off, ASan, TF version) differs from the one the objects were built with.
+        config = repr((BUILD, NVCC, ASAN, TF_VERSION, CUDA_GENCODE))
+        stamp = os.path.join(self.build_temp, "fbn_build_config.txt")
+        if not os.path.exists(stamp) or open(stamp).read() != config:
+            self.force = True
         write_build_info()
         super().run()
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(config)
 
 
 def write_build_info():
@@ -155,6 +164,7 @@ def write_build_info():
         f.write("# Written by setup.py at build time.\n")
         f.write("TF_VERSION = %r\n" % TF_VERSION)
         f.write("WITH_CUDA = %r\n" % bool(NVCC))
+        f.write("CUDA_MODE = %r\n" % os.environ.get("FBN_GRAD_TF_CUDA", "auto"))
         f.write("CUDA_ARCHS = %r\n" % (["sm_75", "sm_80", "sm_90", "compute_90"] if NVCC else []))
         f.write("WITH_ASAN = %r\n" % ASAN)
         f.write("BUILD = %r\n" % BUILD)

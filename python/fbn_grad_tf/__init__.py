@@ -5,14 +5,26 @@ On a machine without TensorFlow only the framework-free ``fbn_grad_tf.core`` is 
 """
 __version__ = "0.1.0"
 
-try:
-    import tensorflow as _tf  # noqa: F401
-except ModuleNotFoundError as _e:  # TF-free machine (e.g. a GPU box with only PyTorch)
-    if _e.name != "tensorflow":
-        raise
-    HAVE_TENSORFLOW = False
-else:
-    HAVE_TENSORFLOW = True
+def _tf_part_available():
+    """False on a machine without TensorFlow (e.g. a GPU box with only PyTorch) and for a
+    core-only build (FBN_GRAD_TF_BUILD=core): then only fbn_grad_tf.core is usable."""
+    try:
+        from . import _build_info
+        if _build_info.BUILD != "all":
+            return False
+    except ImportError:
+        pass  # not built: _loader raises a clear error below
+    try:
+        import tensorflow  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "tensorflow":
+            raise
+        return False
+    return True
+
+
+HAVE_TENSORFLOW = _tf_part_available()
+if HAVE_TENSORFLOW:
     from ._loader import REGISTERED_OP_NAME, build_info, library_path, raw_op  # noqa: F401
     from .ops import (  # noqa: F401
         DATA_FORMATS, FusedBatchNormGrad, FusedBatchNormGradOutputs, Scope,
