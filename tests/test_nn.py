@@ -82,6 +82,21 @@ def test_forward_matches_tf_wrapper(fmt):
             _close(a, b, rtol=0, atol=0)
 
 
+def test_epsilon_passed_through_like_tf_2_21():
+    """TF 2.21's wrapper no longer raises epsilon to 1.001e-5 (older ones did): neither do we."""
+    x, scale, offset, _, _, _ = _data()
+
+    @tf.function
+    def f(bn):
+        return bn(x * 1e-3, scale, offset, epsilon=1e-8)[0]
+
+    eps = [op.get_attr("epsilon") for bn in (fbn_grad_tf.fused_batch_norm,
+                                              tf.compat.v1.nn.fused_batch_norm)
+           for op in f.get_concrete_function(bn).graph.get_operations()
+           if op.type == "FusedBatchNormV3"]
+    assert len(eps) == 2 and eps[0] == eps[1] and eps[0] < 1e-7
+
+
 def test_argument_checks():
     x, scale, offset, mean, var, _ = _data()
     with pytest.raises(ValueError, match="mean"):
@@ -94,7 +109,7 @@ def test_argument_checks():
 
 # ---- fused_batch_norm: gradients -------------------------------------------------------------
 
-def _grads(bn, x, scale, offset, mean, var, w, fmt, training, persistent_tape_fn=None):
+def _grads(bn, x, scale, offset, mean, var, w, fmt, training):
     kw = dict(epsilon=1e-3, data_format=fmt, is_training=training)
     if not training:
         kw.update(mean=mean, variance=var)

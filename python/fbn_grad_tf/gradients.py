@@ -207,6 +207,15 @@ def _tf_builtin_backward(dy, x, scale, rs1, rs2, rs3, epsilon, data_format, is_t
 
 
 def _forward_op_grad(op, grads, op_type):
+    if op is None:
+        # tf.saved_model.save traces every gradient function named by a `_gradient_op_type`
+        # attr as if it were a tf.custom_gradient (called with op=None); ours needs the op.
+        raise ValueError(
+            "fbn_grad_tf: this function holds %s ops tagged by use_for_gradients() "
+            "(graph=True), and SavedModel cannot serialize such op-attached gradients. Save "
+            "with tf.saved_model.SaveOptions(experimental_custom_gradients=False) (the loaded "
+            "ops keep the tag and use fbn_grad_tf's gradient once fbn_grad_tf is imported), "
+            "or trace with use_for_gradients(graph=False)." % op_type)
     version = _VERSION[op_type]
     epsilon = op.get_attr("epsilon")
     data_format = _as_str(op.get_attr("data_format"))

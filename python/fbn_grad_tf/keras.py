@@ -67,6 +67,21 @@ class BatchNormalization(keras.layers.BatchNormalization):
             synchronized=False, **kwargs)
         # Our op has no XLA kernel: keep Keras' jit_compile="auto" from choosing XLA.
         self.supports_jit = False
+        self._gradient_op = "fbn_grad_tf"
+
+    @property
+    def gradient_op(self):
+        """Which op computes the fused path's gradient: "fbn_grad_tf" (default) or
+        "tensorflow" (TF's FusedBatchNormGradV3, same fused forward; for comparisons and
+        benchmarks). Not part of get_config. Takes effect when the call is (re)traced."""
+        return self._gradient_op
+
+    @gradient_op.setter
+    def gradient_op(self, value):
+        if value not in ("fbn_grad_tf", "tensorflow"):
+            raise ValueError('gradient_op must be "fbn_grad_tf" or "tensorflow", got %r'
+                             % (value,))
+        self._gradient_op = value
 
     # -- which path ------------------------------------------------------------------------
 
@@ -102,10 +117,12 @@ class BatchNormalization(keras.layers.BatchNormalization):
         xla = _grads.in_xla_context()
         if xla:
             _grads.warn_xla_fallback("fbn_grad_tf.keras.BatchNormalization")
+        # TF's registered gradient of the forward op (XLA-compilable) instead of ours.
+        tf_grad = xla or self._gradient_op == "tensorflow"
 
         if training and self.trainable:
             empty = tf.constant([], tf.float32)
-            if xla:
+            if tf_grad:
                 y, batch_mean, batch_var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
                     x=x, scale=gamma, offset=beta, mean=empty, variance=empty,
                     epsilon=self.epsilon, exponential_avg_factor=1.0,
@@ -127,7 +144,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         else:
             moving_mean = tf.cast(tf.convert_to_tensor(self.moving_mean), tf.float32)
             moving_var = tf.cast(tf.convert_to_tensor(self.moving_variance), tf.float32)
-            if xla:
+            if tf_grad:
                 y = tf.raw_ops.FusedBatchNormV3(
                     x=x, scale=gamma, offset=beta, mean=moving_mean, variance=moving_var,
                     epsilon=self.epsilon, exponential_avg_factor=1.0,

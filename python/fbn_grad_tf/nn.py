@@ -209,6 +209,10 @@ class use_for_gradients(contextlib.ContextDecorator):  # noqa: N801 (reads like 
         tf.function being traced, tf.gradients. The registry is process-global: other threads
         computing batch-norm gradients at the same time also get our op.
 
+    SavedModel: tf.saved_model.save of a function traced with graph=True needs
+    SaveOptions(experimental_custom_gradients=False) (SavedModel cannot serialize op-tagged
+    gradients; the loaded ops keep the tag and use our gradient once fbn_grad_tf is imported).
+
     Not covered: gradients already built before entering (a tf.function's cached
     backward function, Keras' already-traced train_function), and Keras 3's own
     keras.layers.BatchNormalization, which does not use FusedBatchNorm ops at all (use
