@@ -194,9 +194,27 @@ def test_no_scale_no_center_and_mask_fallback():
     assert ours.fused_data_format((4, 3, 3, 2), tf.float64) is None
 
 
-def test_synchronized_not_implemented():
-    with pytest.raises(NotImplementedError, match="issue 7"):
-        FbnBN(synchronized=True)
+def test_synchronized_routes_to_the_sync_path():
+    """synchronized=True goes through fbn_grad_tf.sync (split reduce/apply ops); with no
+    strategy active it equals Keras' layer, gradients included."""
+    x = tf.random.stateless_normal([8, 5, 5, 6], seed=[4, 2]) * 2.0 + 1.0
+    w = tf.random.stateless_normal([8, 5, 5, 6], seed=[7, 1])
+    ours, ref = FbnBN(synchronized=True), keras.layers.BatchNormalization()
+    ours.build(x.shape)
+    ref.build(x.shape)
+
+    @tf.function
+    def grads(layer):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(layer(x, training=True) * w)
+        return tape.gradient(loss, [x] + layer.trainable_variables)
+
+    graph = grads.get_concrete_function(ours).graph
+    assert "FbnGrad>BatchNormGradApply" in {op.type for op in graph.get_operations()}
+    for a, b in zip(grads(ours), grads(ref)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5)
+    assert FbnBN.from_config(ours.get_config()).synchronized
 
 
 def test_config_and_keras_file_round_trip(tmp_path):

@@ -32,3 +32,5 @@ if HAVE_TENSORFLOW:
     from . import gradients  # noqa: F401,E402  (registers the gradient of our op)
     from .nn import fused_batch_norm, use_for_gradients  # noqa: F401,E402
     from . import keras  # noqa: F401,E402  (registers fbn_grad_tf>BatchNormalization)
+    from . import sync  # noqa: F401,E402  (registers fbn_grad_tf>SyncBatchNormalization)
+    from .sync import SyncBatchNormalization, sync_batch_norm  # noqa: F401,E402

@@ -41,8 +41,9 @@ __all__ = ["BatchNormalization"]
 class BatchNormalization(keras.layers.BatchNormalization):
     """keras.layers.BatchNormalization whose gradient is computed by fbn_grad_tf's op.
 
-    Arguments are those of ``keras.layers.BatchNormalization``. ``synchronized=True`` (SyncBN
-    across replicas) is not implemented yet and raises NotImplementedError.
+    Arguments are those of ``keras.layers.BatchNormalization``. ``synchronized=True`` computes
+    the statistics and the backward across the replicas of the active tf.distribute strategy
+    (fbn_grad_tf.sync, docs/SYNC.md).
     """
 
     def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,
@@ -51,11 +52,6 @@ class BatchNormalization(keras.layers.BatchNormalization):
                  beta_regularizer=None, gamma_regularizer=None, beta_constraint=None,
                  gamma_constraint=None, renorm=False, renorm_clipping=None,
                  renorm_momentum=0.99, synchronized=False, **kwargs):
-        if synchronized:
-            raise NotImplementedError(
-                "fbn_grad_tf.keras.BatchNormalization(synchronized=True) is not implemented "
-                "yet (planned: issue 7, synchronized batch norm). Use "
-                "keras.layers.BatchNormalization(synchronized=True) meanwhile.")
         super().__init__(
             axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
             beta_initializer=beta_initializer, gamma_initializer=gamma_initializer,
@@ -64,7 +60,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
             beta_regularizer=beta_regularizer, gamma_regularizer=gamma_regularizer,
             beta_constraint=beta_constraint, gamma_constraint=gamma_constraint,
             renorm=renorm, renorm_clipping=renorm_clipping, renorm_momentum=renorm_momentum,
-            synchronized=False, **kwargs)
+            synchronized=synchronized, **kwargs)
         # Our op has no XLA kernel: keep Keras' jit_compile="auto" from choosing XLA.
         self.supports_jit = False
         self._gradient_op = "fbn_grad_tf"
@@ -104,6 +100,12 @@ class BatchNormalization(keras.layers.BatchNormalization):
     # -- call ------------------------------------------------------------------------------
 
     def call(self, inputs, training=None, mask=None):
+        if self.synchronized:
+            from . import sync as _sync
+            if _sync.layer_uses_sync_path(self, inputs, training, mask):
+                return _sync.sync_layer_call(self, inputs)
+            return keras.layers.BatchNormalization.call(self, inputs, training=training,
+                                                        mask=mask)
         data_format = self.fused_data_format(tuple(inputs.shape), inputs.dtype, mask)
         if data_format is None:
             return super().call(inputs, training=training, mask=mask)
