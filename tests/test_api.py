@@ -101,9 +101,6 @@ def test_options_reach_op_attrs(inputs, nchw_inputs, make_options, expected):
     assert (got_fmt, training) == expected[1:]
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "BUG ops._check_is_training: accepts numpy booleans only if type(x).__name__ == 'bool_', "
-    "but under NumPy >= 2 the type is named 'bool', so np.bool_(False) raises TypeError"))
 @pytest.mark.parametrize("how", ["option", "functional"])
 def test_numpy_bool_is_training_accepted(inputs, how):
     if how == "option":
@@ -241,11 +238,6 @@ def test_scope_with_sub_scope(inputs):
     assert build(g2, inputs, scope=Scope(g2).with_sub_scope("a").with_name("n")).op.name == "a/n"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG Scope.context: every build re-enters tf.name_scope(part) for each sub-scope part, "
-    "and TF unique-ifies a name scope used before, so the second op built with the same "
-    "Scope lands under 'outer_1/inner/' instead of the documented '<prefix>/outer/inner/' "
-    "(Java keeps one name scope per Scope object)"))
 def test_scope_sub_scope_is_stable_across_ops(inputs):
     g = tf.Graph()
     scope = Scope(g).with_sub_scope("outer").with_sub_scope("inner")

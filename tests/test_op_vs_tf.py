@@ -12,9 +12,9 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-import fbn_grad_tf  # noqa: E402
-from helpers import (DTYPES, EPSILON, FORMATS, Case, assert_outputs_close, make_inputs,  # noqa: E402
-                     make_shape, np_dtype, run_ours, tf_reference)
+from helpers import (DTYPES, EPSILON, FORMATS, Case,  # noqa: E402
+                     assert_outputs_close, make_inputs, make_shape, np_dtype, run_ours,
+                     tf_reference)
 
 # Shape classes (N, 2-D spatial, 3-D spatial, C); make_shape lays them out per format.
 CASES = [

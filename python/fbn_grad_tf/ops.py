@@ -10,6 +10,7 @@ import collections
 import contextlib
 import numbers
 
+import numpy as np
 import tensorflow as tf
 
 from . import _core
@@ -43,7 +44,7 @@ def _check_epsilon(epsilon):
 
 
 def _check_is_training(is_training):
-    if not isinstance(is_training, (bool,)) and type(is_training).__name__ != "bool_":
+    if not isinstance(is_training, (bool, np.bool_)):
         raise TypeError("is_training must be a bool, got %r" % (is_training,))
     return bool(is_training)
 
@@ -172,8 +173,13 @@ class Scope:
         with contextlib.ExitStack() as stack:
             if self._graph is not None:
                 stack.enter_context(self._graph.as_default())
-            for part in self._prefix:
-                stack.enter_context(tf.name_scope(part))
+            if self._prefix:
+                # An absolute scope ("outer/inner/") is re-entered as is: every op built in
+                # this Scope lands under the same prefix, as in Java (a relative name_scope
+                # would become outer_1/ on the second use).
+                current = tf.get_current_name_scope()
+                absolute = (current + "/" if current else "") + "/".join(self._prefix) + "/"
+                stack.enter_context(tf.name_scope(absolute))
             if self._device is not None:
                 stack.enter_context(tf.device(self._device))
             if self._control:

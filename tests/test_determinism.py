@@ -1,0 +1,119 @@
+"""Run-to-run and thread-count determinism of the TF op.
+
+TensorFlow's thread pools cannot be resized after initialization, so each configuration runs
+in a child Python process: intra-op threads 1, 2 and 4 (and the CPU paths forced through
+FBN_GRAD_TF_ISA), on the same seeded inputs, each computing every case twice. The children
+save the raw output bits; all of them must be identical.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from fbn_grad_tf import core  # noqa: E402
+from helpers import subprocess_env  # noqa: E402
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# Large enough for many tasks per pass (row tasks for NHWC, plane tasks for NCHW).
+CASES = [
+    ("NHWC", (8, 64, 64, 32), "float32"),
+    ("NCHW", (8, 32, 64, 64), "float32"),
+    ("NHWC", (8, 64, 64, 32), "bfloat16"),
+    ("NCHW", (8, 32, 64, 64), "bfloat16"),
+    ("NCDHW", (2, 16, 8, 32, 32), "float16"),
+]
+
+CHILD = textwrap.dedent(r"""
+    import os, sys
+    threads, out_path = int(sys.argv[1]), sys.argv[2]
+    sys.path.insert(0, %(tests_dir)r)
+    import numpy as np
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import fbn_grad_tf
+    from fbn_grad_tf import core
+    from helpers import bits, make_inputs
+    cases = %(cases)r
+    result = {"intra_op_threads": np.array(tf.config.threading.get_intra_op_parallelism_threads()),
+              "isa": np.array(core.default_isa())}
+    for i, (fmt, shape, dtype) in enumerate(cases):
+        for training in (True, False):
+            inputs = make_inputs(shape, fmt, dtype, training, seed=1000 + i)
+            for rep in range(2):
+                out = fbn_grad_tf.fused_batch_norm_grad(*inputs, data_format=fmt,
+                                                        is_training=training)
+                for k, t in zip(("dx", "dscale", "doffset"), out[:3]):
+                    result["%%d-%%s-%%d-%%s" %% (i, training, rep, k)] = bits(t.numpy())
+    np.savez(out_path, **result)
+""") % {"tests_dir": TESTS_DIR, "cases": CASES}
+
+CONFIGS = {  # name -> (intra-op threads, extra environment)
+    "threads1": (1, {}),
+    "threads2": (2, {}),
+    "threads4": (4, {}),  # (every configuration is a separate process: run-to-run too)
+    # The CPU path forced through the environment (the other paths are compared with each
+    # other in test_core_numpy.py; this checks the op honours the override).
+    "threads3-baseline": (3, {"FBN_GRAD_TF_ISA": "baseline"}),
+}
+
+
+@pytest.fixture(scope="module")
+def child_outputs(tmp_path_factory):
+    """Runs every configuration in its own child process (concurrently) -> {name: npz}."""
+    tmp = tmp_path_factory.mktemp("determinism")
+    procs = {}
+    for name, (threads, env) in CONFIGS.items():
+        path = str(tmp / (name + ".npz"))
+        procs[name] = (path, subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(threads), path], env=subprocess_env(**env),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = {}
+    for name, (path, p) in procs.items():
+        try:
+            _, err = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        assert p.returncode == 0, "child %s failed (%s):\n%s" % (name, p.returncode, err[-3000:])
+        results[name] = dict(np.load(path))
+    return results
+
+
+def test_children_ran_with_requested_configuration(child_outputs):
+    for name, (threads, env) in CONFIGS.items():
+        out = child_outputs[name]
+        assert int(out["intra_op_threads"]) == threads
+        assert str(out["isa"]) == env.get("FBN_GRAD_TF_ISA", core.default_isa())
+
+
+def test_repeated_runs_in_one_process_bitwise_equal(child_outputs):
+    for name, out in child_outputs.items():
+        for key in out:
+            if "-0-" in key:
+                np.testing.assert_array_equal(out[key], out[key.replace("-0-", "-1-")],
+                                              err_msg="%s: %s" % (name, key))
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "threads1"])
+def test_bitwise_equal_across_thread_counts_processes_and_isas(child_outputs, name):
+    ref, out = child_outputs["threads1"], child_outputs[name]
+    keys = [k for k in ref if k[0].isdigit()]
+    assert len(keys) == len(CASES) * 2 * 2 * 3
+    for key in keys:
+        np.testing.assert_array_equal(out[key], ref[key], err_msg="%s vs threads1: %s" % (
+            name, key))
+
+
+def test_outputs_are_nontrivial(child_outputs):
+    """Guards against comparing empty or all-zero outputs."""
+    out = child_outputs["threads1"]
+    for i, (_, shape, _) in enumerate(CASES):
+        dx = out["%d-True-0-dx" % i]
+        assert dx.size == np.prod(shape) and np.count_nonzero(dx) > dx.size // 2
