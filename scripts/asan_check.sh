@@ -46,10 +46,16 @@ LIBASAN=$(gcc -print-file-name=libasan.so)
 [ -f "$LIBASAN" ] || { echo "[asan] libasan not found ($LIBASAN)" >&2; exit 1; }
 echo "[asan] running $EXAMPLES core fuzz examples under $LIBASAN"
 cd "$WORK"
-export LD_PRELOAD="$LIBASAN"
+# libstdc++ is preloaded too: Python does not link it, and ASan's __cxa_throw interceptor
+# must resolve the real function at start-up, or the first C++ exception (every ValueError
+# of the pybind11 module) dies in "CHECK failed: ... real___cxa_throw != 0".
+LIBSTDCXX=$(gcc -print-file-name=libstdc++.so)
+export LD_PRELOAD="$LIBASAN $LIBSTDCXX"
 # detect_leaks=0: CPython itself "leaks" at exit. Everything else at its default (reads and
 # writes out of bounds of heap and stack, use after free, ...), stopping at the first report.
-export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_stack_use_after_return=1:strict_string_checks=1:check_initialization_order=1"
+ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1"
+ASAN_OPTIONS+=":detect_stack_use_after_return=1:strict_string_checks=1"
+export ASAN_OPTIONS+=":check_initialization_order=1"
 export PYTHONPATH="$WORK/python:$WORK/tests"
 export FBN_FUZZ_SEED="$SEED" FBN_ASAN_WORK="$WORK"
 set +e

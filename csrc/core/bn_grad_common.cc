@@ -111,22 +111,31 @@ ValidationResult ValidateBnInputs(const std::vector<int64_t>& dy_dims,
                   "), but has shape " + ShapeString(*v.dims));
     }
   }
-  if (!std::isfinite(epsilon) || epsilon < 0.0f) {
+  // The sign is read from the bits: TF runs kernels with denormals flushed to zero, where a
+  // negative subnormal epsilon would compare equal to 0.
+  uint32_t eps_bits;
+  std::memcpy(&eps_bits, &epsilon, sizeof(eps_bits));
+  const bool eps_negative = (eps_bits >> 31) != 0 && (eps_bits & 0x7fffffffu) != 0;
+  if (!std::isfinite(epsilon) || eps_negative) {
     std::ostringstream os;
     os << "epsilon must be a finite, non-negative number, got " << epsilon;
     return Fail(os.str());
   }
 
+  // The canonical view's factors are sub-products of the dims: with a zero dim elsewhere
+  // they can still overflow, so they are checked too.
   ValidationResult r;
-  int64_t spatial = 1;
+  std::vector<int64_t> outer_dims, inner_dims;
   if (IsChannelsFirst(format)) {
-    for (int i = 2; i < rank; ++i) spatial *= x_dims[i];
-    r.shape.outer = x_dims[0];
-    r.shape.inner = spatial;
+    outer_dims.assign(x_dims.begin(), x_dims.begin() + 1);
+    inner_dims.assign(x_dims.begin() + 2, x_dims.end());
   } else {
-    for (int i = 1; i < rank - 1; ++i) spatial *= x_dims[i];
-    r.shape.outer = x_dims[0] * spatial;
-    r.shape.inner = 1;
+    outer_dims.assign(x_dims.begin(), x_dims.end() - 1);
+  }
+  if (!CheckedNumElements(outer_dims, &r.shape.outer) ||
+      !CheckedNumElements(inner_dims, &r.shape.inner)) {
+    return Fail("x has shape " + ShapeString(x_dims) +
+                ": the product of its non-channel dimensions must fit in 64 bits");
   }
   r.shape.channels = C;
   return r;

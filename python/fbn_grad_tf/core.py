@@ -54,9 +54,11 @@ def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4
     if _is_device_array(x):
         return _bn_grad_device(y_backprop, x, scale, reserve_space_1, reserve_space_2,
                                epsilon, data_format, is_training, saved_stat)
-    dy = np.ascontiguousarray(y_backprop)
-    xx = np.ascontiguousarray(x)
-    vecs = [np.ascontiguousarray(v, dtype=np.float32)
+    # np.require keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d and hide a
+    # rank error behind a shape of [1]).
+    dy = np.require(y_backprop, requirements="C")
+    xx = np.require(x, requirements="C")
+    vecs = [np.require(v, dtype=np.float32, requirements="C")
             for v in (scale, reserve_space_1, reserve_space_2)]
     dtype = _dtype_name(xx.dtype)
     if dy.dtype != xx.dtype:
