@@ -100,8 +100,8 @@ def test_numpy_reference_matches_tf():
 def test_command_line_with_worker(tmp_path, capsys):
     out = tmp_path / "r.json"
     rc = bench.main(["--shapes", "2x3x3x8", "--dtypes", "float32", "--formats", "NHWC,NCHW",
-                     "--modes", "train,infer", "--reps", "2", "--no-torch", "--no-progress", "--bandwidth-mib", "16",
-                     "--json", str(out)])
+                     "--modes", "train,infer", "--reps", "2", "--no-torch", "--no-progress",
+                     "--bandwidth-mib", "16", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "Summary" in printed and "2x3x3x8" in printed

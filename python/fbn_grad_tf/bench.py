@@ -83,6 +83,7 @@ class Config:
     threads: Optional[int] = None   # TF intra-op threads (and torch's); None: TF default
     epsilon: float = 1e-3
     torch: bool = True              # include PyTorch when importable
+    eigen_bfc: bool = False         # Eigen worker: TF_CPU_ALLOCATOR_USE_BFC=true (see docs)
     progress: bool = True
     seed: int = 1234
 
@@ -225,18 +226,7 @@ def _best_rate(fn, nbytes, repeats):
     return nbytes / best / 1e9
 
 
-def measure_bandwidth(threads=None, mib=256, repeats=5):
-    """Memory bandwidth in GB/s (1e9 B/s), STREAM-style byte counts, best of `repeats`.
-
-    numpy_copy: b -> a (2 arrays counted); numpy_triad: a = b + s*c (3 arrays counted),
-    both split over `threads` Python threads (NumPy releases the GIL), the triad in
-    cache-sized chunks so no temporary goes to memory. tf_scale: x*s (2 arrays);
-    tf_triad: x*s + y (3 arrays), XLA-fused when jit_compile works, on TF's thread pool
-    (includes allocating the output, as every TF op does). "bandwidth" is the best of all.
-    """
-    threads = threads or os.cpu_count() or 1
-    n = mib * 2 ** 20 // 4
-    res = {"array_mib": mib, "threads": threads}
+def _numpy_bandwidth(n, threads, repeats):
     a = np.zeros(n, np.float32)
     b = np.ones(n, np.float32)
     c = np.full(n, 2.0, np.float32)
@@ -263,24 +253,42 @@ def measure_bandwidth(threads=None, mib=256, repeats=5):
                 t.join()
         return go
 
-    res["numpy_copy"] = _best_rate(parallel(copy), 2 * n * 4, repeats)
-    res["numpy_triad"] = _best_rate(parallel(triad), 3 * n * 4, repeats)
-    del a, b, c
+    return {"numpy_copy": _best_rate(parallel(copy), 2 * n * 4, repeats),
+            "numpy_triad": _best_rate(parallel(triad), 3 * n * 4, repeats)}
 
+
+def _tf_bandwidth(n, repeats):
     x = tf.fill([n], 1.0)
     y = tf.fill([n], 2.0)
     s = tf.constant(3.0)
+    res = {}
     scale_fn = tf.function(lambda x, s: x * s)
     res["tf_scale"] = _best_rate(lambda: scale_fn(x, s), 2 * n * 4, repeats)
-    triad_fn, res["tf_triad_fused"] = None, False
     try:
         triad_fn = tf.function(lambda x, y, s: x * s + y, jit_compile=True)
         triad_fn(x, y, s)
         res["tf_triad_fused"] = True
     except Exception:  # no XLA here: two kernels (counted as 3 arrays all the same)
         triad_fn = tf.function(lambda x, y, s: x * s + y)
+        res["tf_triad_fused"] = False
     res["tf_triad"] = _best_rate(lambda: triad_fn(x, y, s), 3 * n * 4, repeats)
-    del x, y
+    return res
+
+
+def measure_bandwidth(threads=None, mib=256, repeats=5):
+    """Memory bandwidth in GB/s (1e9 B/s), STREAM-style byte counts, best of `repeats`.
+
+    numpy_copy: b -> a (2 arrays counted); numpy_triad: a = b + s*c (3 arrays counted),
+    both split over `threads` Python threads (NumPy releases the GIL), the triad in
+    cache-sized chunks so no temporary goes to memory. tf_scale: x*s (2 arrays);
+    tf_triad: x*s + y (3 arrays), XLA-fused when jit_compile works, on TF's thread pool
+    (includes allocating the output, as every TF op does). "bandwidth" is the best of all.
+    """
+    threads = threads or os.cpu_count() or 1
+    n = mib * 2 ** 20 // 4
+    res = {"array_mib": mib, "threads": threads, "repeats": repeats}
+    res.update(_numpy_bandwidth(n, threads, repeats))
+    res.update(_tf_bandwidth(n, repeats))
     res["copy"] = max(res["numpy_copy"], res["tf_scale"])
     res["triad"] = max(res["numpy_triad"], res["tf_triad"])
     res["bandwidth"] = max(res["copy"], res["triad"])
@@ -486,6 +494,7 @@ def run(config=None, label=None, stream=None):
             torch.set_num_threads(threads)
             torch_note = "torch %s" % torch.__version__
     meta = {"tf_version": tf.__version__, "tf_backend": backend, "onednn": onednn,
+            "TF_CPU_ALLOCATOR_USE_BFC": os.environ.get("TF_CPU_ALLOCATOR_USE_BFC"),
             "intra_op_threads": threads, "torch": torch_note,
             "config": config.to_json()}
 
@@ -570,8 +579,9 @@ def _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps, torc
             check["torch"] = _check("torch", tout, ref, dtype, case_name, ref_name)
             fns["torch"] = tcall
             del tout, dx
-        except CorrectnessError:
-            raise
+        except CorrectnessError as e:  # PyTorch is only a bystander: n/a, not fatal
+            errors["torch"] = "outputs differ: %s" % e
+            print("warning: PyTorch %s" % errors["torch"], file=sys.stderr)
         except Exception as e:  # an unsupported dtype/format combination: n/a
             errors["torch"] = "%s: %s" % (type(e).__name__, str(e).split("\n")[0][:200])
     del ref
@@ -654,10 +664,14 @@ def merge(main_res, other_res=None, bandwidth=None):
     return rows
 
 
-def _sort_key(row):
-    return (DTYPES.index(row["dtype"]) if row["dtype"] in DTYPES else 9,
-            FORMATS.index(row["format"]), -row["elements"], tuple(row["shape"]),
-            MODES.index(row["mode"]))
+def _sorted(rows):
+    """Grouped by dtype and format; shapes in run order (the grid's), training first."""
+    order = {}
+    for r in rows:
+        order.setdefault(tuple(r["shape"]), len(order))
+    return sorted(rows, key=lambda r: (
+        DTYPES.index(r["dtype"]) if r["dtype"] in DTYPES else 9,
+        FORMATS.index(r["format"]), order[tuple(r["shape"])], MODES.index(r["mode"])))
 
 
 def _f(v, fmt="%.2f", na="n/a"):
@@ -667,7 +681,7 @@ def _f(v, fmt="%.2f", na="n/a"):
 def format_table(rows, have_torch=False):
     cols = [("shape", "<", 15), ("fmt", "<", 4), ("dtype", "<", 8), ("mode", "<", 5),
             ("ours ms", ">", 8), ("TF-oneDNN", ">", 9), ("x", ">", 6),
-            ("TF-Eigen", ">", 9), ("x", ">", 6)]
+            ("ours(E)", ">", 8), ("TF-Eigen", ">", 9), ("x", ">", 6)]
     if have_torch:
         cols += [("torch ms", ">", 9), ("x", ">", 6)]
     cols += [("GB/s", ">", 6), ("%BW", ">", 5), ("reps", ">", 4)]
@@ -675,7 +689,7 @@ def format_table(rows, have_torch=False):
         return "  ".join(("{:%s%d}" % (a, w)).format(v) for (_, a, w), v in zip(cols, vals))
     out = [line([c[0] for c in cols]), line(["-" * c[2] for c in cols])]
     prev = None
-    for r in sorted(rows, key=_sort_key):
+    for r in _sorted(rows):
         grp = (r["dtype"], r["format"])
         if prev is not None and grp != prev:
             out.append("")
@@ -683,7 +697,8 @@ def format_table(rows, have_torch=False):
         vals = [shape_str(r["tensor_shape"]), r["format"], r["dtype"],
                 _SHORT_MODE[r["mode"]], _f(r["ours_ms"], "%.3f"),
                 _f(r["tf_onednn_ms"], "%.3f"), _f(r["speedup_onednn"], "%.2fx"),
-                _f(r["tf_eigen_ms"], "%.3f"), _f(r["speedup_eigen"], "%.2fx")]
+                _f(r["ours_ms_eigen_run"], "%.3f"), _f(r["tf_eigen_ms"], "%.3f"),
+                _f(r["speedup_eigen"], "%.2fx")]
         if have_torch:
             vals += [_f(r["torch_ms"], "%.3f"), _f(r["speedup_torch"], "%.2fx")]
         vals += [_f(r["gbps"], "%.1f"), _f(r["bw_fraction"] and 100 * r["bw_fraction"], "%.0f%%"),
@@ -758,7 +773,7 @@ def format_summary(summary, bandwidth=None, have_torch=False):
         out.append("")
         out.append("Memory bandwidth (GB/s, best of %d runs on %d MiB arrays, %d threads): "
                    "numpy copy %.1f, numpy triad %.1f, TF x*s %.1f, TF x*s+y%s %.1f"
-                   % (5, bandwidth["array_mib"], bandwidth["threads"],
+                   % (bandwidth.get("repeats", 5), bandwidth["array_mib"], bandwidth["threads"],
                       bandwidth["numpy_copy"], bandwidth["numpy_triad"],
                       bandwidth["tf_scale"], " (XLA)" if bandwidth.get("tf_triad_fused")
                       else "", bandwidth["tf_triad"]))
@@ -768,7 +783,7 @@ def format_summary(summary, bandwidth=None, have_torch=False):
         out.append("Our effective bandwidth (3 x elements x itemsize / time) as a fraction of "
                    "it, median over large shapes (>= %dM elements):" %
                    (summary["large_elements"] // 1_000_000))
-        out.append("%-10s  %8s %8s %8s %8s" % ("dtype", "trainNHWC", "trainNCHW",
+        out.append("%-10s  %9s %9s %9s %9s" % ("dtype", "trainNHWC", "trainNCHW",
                                                "inferNHWC", "inferNCHW"))
         for g in summary["bandwidth_fraction_large"]:
             cells = [_f(g["%s_%s" % (m, f)] and 100 * g["%s_%s" % (m, f)], "%.0f%%")
@@ -803,7 +818,7 @@ def plot(rows, path, have_torch=False):
     fig, axes = plt.subplots(len(dtypes), 1, figsize=(max(8, 0.42 * len(rows) / max(
         len(dtypes), 1) + 3), 3.6 * len(dtypes)), squeeze=False)
     for ax, dtype in zip(axes[:, 0], dtypes):
-        sel = sorted((r for r in rows if r["dtype"] == dtype), key=_sort_key)
+        sel = _sorted([r for r in rows if r["dtype"] == dtype])
         xs = np.arange(len(sel))
         w = 0.8 / len(targets)
         for i, (key, name) in enumerate(targets):
@@ -873,6 +888,10 @@ def build_parser():
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of speed-ups (matplotlib)")
     p.add_argument("--bandwidth-mib", type=int, default=256, metavar="MIB",
                    help="array size for the bandwidth measurement (default 256 MiB)")
+    p.add_argument("--eigen-bfc", action="store_true",
+                   help="run the Eigen worker with TF_CPU_ALLOCATOR_USE_BFC=true (a pooled "
+                        "allocator, as TF uses with oneDNN on) instead of TF's default malloc; "
+                        "compares kernels without the page faults of fresh outputs")
     p.add_argument("--no-eigen", action="store_true",
                    help="skip the second TF backend (the worker subprocess)")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if importable")
@@ -895,6 +914,8 @@ def config_from_args(args):
             setattr(cfg, field, val)
     if args.no_torch:
         cfg.torch = False
+    if args.eigen_bfc:
+        cfg.eigen_bfc = True
     if args.no_progress:
         cfg.progress = False
     return cfg
@@ -905,6 +926,10 @@ def run_worker_subprocess(backend, config, timeout=None):
     its progress goes to our stderr. Returns its run() result."""
     env = dict(os.environ)
     env["TF_ENABLE_ONEDNN_OPTS"] = "0" if backend == "eigen" else "1"
+    if backend == "eigen" and config.eigen_bfc:
+        # With oneDNN on, TF allocates on the CPU from a pool; with it off, from malloc, so
+        # every large output is fresh pages from the OS (page faults) on every call.
+        env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [
@@ -936,6 +961,13 @@ def run_worker_subprocess(backend, config, timeout=None):
         os.unlink(path)
 
 
+def _loadavg():
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
 def _machine_meta():
     from . import _build_info
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -963,6 +995,10 @@ def main(argv=None):
         return 0
 
     t0 = time.perf_counter()
+    load_start = _loadavg()
+    if load_start is not None and load_start > 0.75 * (os.cpu_count() or 1):
+        print("warning: load average %.1f on %d cores: other work is running, the times will "
+              "be noisy (see `ps aux`)" % (load_start, os.cpu_count() or 1), file=sys.stderr)
     threads = configure_threads(config.threads)
     main_backend = backend_name(onednn_enabled())
     if main_backend != "onednn":
@@ -988,14 +1024,25 @@ def main(argv=None):
     meta = _machine_meta()
     meta.update({"tf_backend_main": main_backend, "intra_op_threads": threads,
                  "torch": main_res["meta"]["torch"], "config": config.to_json(),
-                 "elapsed_s": round(elapsed, 1), "other_backend_error": other_error})
+                 "elapsed_s": round(elapsed, 1), "other_backend_error": other_error,
+                 "loadavg_1min_start": load_start, "loadavg_1min_end": _loadavg()})
     print("fbn_grad_tf benchmark: %s, %d cores, TF %s (main process: %s), %d intra-op threads, "
           "%s; ISA %s" % (meta["cpu"], meta["cores"], tf.__version__, main_backend, threads,
                           meta["torch"], meta["fbn_grad_tf_isa"]))
-    print("times: median ms of %s interleaved calls inside tf.function; x = TF ms / ours ms "
-          "from the same process (>1: ours faster); GB/s = 3 x elements x itemsize / ours; "
-          "%%BW = fraction of %.1f GB/s" % ("the 'reps'" if not config.reps else config.reps,
-                                            bandwidth["bandwidth"]))
+    if load_start is not None:
+        print("load average (1 min) at start %.2f, at end %.2f on %d cores"
+              % (load_start, meta["loadavg_1min_end"], meta["cores"]))
+    print("times: median ms over `reps` interleaved calls each (inside tf.function); "
+          "x = their ms / ours ms from the same process (>1: ours faster)")
+    print("GB/s = 3 x elements x itemsize / ours (read dy and x, write dx); "
+          "%%BW = that / %.1f GB/s (this run's bandwidth, below)" % bandwidth["bandwidth"])
+    if other_res is not None and main_backend == "onednn":
+        print("ours(E) = ours timed in the Eigen worker process (TF_ENABLE_ONEDNN_OPTS=0%s), "
+              "interleaved with TF-Eigen; TF-Eigen's x is against it" %
+              (", TF_CPU_ALLOCATOR_USE_BFC=true" if config.eigen_bfc else ""))
+        if not config.eigen_bfc:
+            print("  (with oneDNN off TF allocates from malloc, so large outputs are fresh pages "
+                  "on every call, for ours(E) and TF-Eigen alike; --eigen-bfc pools them)")
     print()
     print(format_table(rows, have_torch))
     print()
