@@ -74,6 +74,16 @@ struct CoreType<Eigen::bfloat16> {
   using type = fbn::bfloat16_t;
 };
 
+// A tensor's data as the core's storage type.
+template <typename T>
+const typename CoreType<T>::type* CoreData(const Tensor& t) {
+  return reinterpret_cast<const typename CoreType<T>::type*>(t.flat<T>().data());
+}
+template <typename T>
+typename CoreType<T>::type* CoreData(Tensor* t) {
+  return reinterpret_cast<typename CoreType<T>::type*>(t->flat<T>().data());
+}
+
 // Runs core tasks on the op's intra-op thread pool (honours
 // tf.config.threading.set_intra_op_parallelism_threads).
 class IntraOpRunner : public fbn::TaskRunner {
@@ -144,12 +154,12 @@ class FbnGradOpBase : public OpKernel {
   static fbn::BnGradArgs<typename CoreType<T>::type> Args(OpKernelContext* ctx, Prepared* p) {
     using CT = typename CoreType<T>::type;
     fbn::BnGradArgs<CT> a;
-    a.dy = reinterpret_cast<const CT*>(ctx->input(0).flat<T>().data());
-    a.x = reinterpret_cast<const CT*>(ctx->input(1).flat<T>().data());
+    a.dy = CoreData<T>(ctx->input(0));
+    a.x = CoreData<T>(ctx->input(1));
     a.scale = ctx->input(2).flat<float>().data();
     a.saved_mean = ctx->input(3).flat<float>().data();
     a.saved_var = ctx->input(4).flat<float>().data();
-    a.dx = reinterpret_cast<CT*>(p->dx->flat<T>().data());
+    a.dx = CoreData<T>(p->dx);
     a.dscale = p->dscale->flat<float>().data();
     a.doffset = p->doffset->flat<float>().data();
     return a;
@@ -328,8 +338,8 @@ class FbnGradReduceOp : public SplitOpBase {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &count));
     count->scalar<float>()() = static_cast<float>(params.shape.per_channel());
     fbn::BnGradArgs<CT> a;
-    a.dy = reinterpret_cast<const CT*>(ctx->input(0).flat<T>().data());
-    a.x = reinterpret_cast<const CT*>(ctx->input(1).flat<T>().data());
+    a.dy = CoreData<T>(ctx->input(0));
+    a.x = CoreData<T>(ctx->input(1));
     a.saved_mean = ctx->input(2).flat<float>().data();
     IntraOpRunner runner(ctx->device()->tensorflow_cpu_worker_threads()->workers);
     fbn::BnGradReduceCpu(params, a, sum_dy->flat<float>().data(),
@@ -357,12 +367,12 @@ class FbnGradApplyOp : public SplitOpBase {
     Tensor* dx = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ctx->input(1).shape(), &dx));
     fbn::BnGradArgs<CT> a;
-    a.dy = reinterpret_cast<const CT*>(ctx->input(0).flat<T>().data());
-    a.x = reinterpret_cast<const CT*>(ctx->input(1).flat<T>().data());
+    a.dy = CoreData<T>(ctx->input(0));
+    a.x = CoreData<T>(ctx->input(1));
     a.scale = ctx->input(2).flat<float>().data();
     a.saved_mean = ctx->input(3).flat<float>().data();
     a.saved_var = ctx->input(4).flat<float>().data();
-    a.dx = reinterpret_cast<CT*>(dx->flat<T>().data());
+    a.dx = CoreData<T>(dx);
     IntraOpRunner runner(ctx->device()->tensorflow_cpu_worker_threads()->workers);
     fbn::BnGradApplyCpu(params, a, ctx->input(5).flat<float>().data(),
                         ctx->input(6).flat<float>().data(), n, runner, fbn::DefaultCpuIsa());
