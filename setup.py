@@ -9,7 +9,7 @@ Environment variables:
   CUDA_HOME          CUDA toolkit root (default /usr/local/cuda).
 
 The CPU kernels are compiled three times (baseline x86-64, AVX2, AVX-512) and picked at
-run time; nothing is built with -march=native.
+run time; nothing is tuned to the build machine's own CPU.
 """
 import os
 import shutil
