@@ -9,6 +9,8 @@ GPU arrays, PyTorch or CuPy)::
 Inputs on the GPU are recognized by ``__cuda_array_interface__`` (PyTorch CUDA tensors,
 CuPy arrays, Numba arrays); outputs are allocated with the same library as ``x``.
 """
+import os
+
 import numpy as np
 
 from . import _core
@@ -71,7 +73,6 @@ def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4
     dscale = np.empty(channels, np.float32)
     doffset = np.empty(channels, np.float32)
     if num_threads <= 0:
-        import os
         num_threads = os.cpu_count() or 1
     ptrs = [a.ctypes.data for a in (dy, xx, *vecs, dx, dscale, doffset)]
     _core.bn_grad_cpu_raw(dtype, ptrs, shapes, data_format, float(epsilon), bool(is_training),
