@@ -10,7 +10,18 @@ Environment variables:
 
 The CPU kernels are compiled three times (baseline x86-64, AVX2, AVX-512) and picked at
 run time; nothing is tuned to the build machine's own CPU.
+
+Build facts (TF version, CUDA, ...) are compiled into the core module (`_core.build_info`),
+so they reach every kind of install (wheel, sdist, editable) with the binaries they describe.
+
+Objects are cached in build/fbn-obj/<configuration hash>/ and an object is recompiled only
+when its source or a header under csrc/ is newer: a no-change rebuild only links, and nvcc
+does not run again for an unchanged .cu file. TensorFlow and pybind11 are needed only by
+build_ext, not by sdist.
 """
+import glob
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -22,14 +33,16 @@ from setuptools.command.build_ext import build_ext
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CORE_SOURCES = [
     "csrc/core/bn_grad_common.cc",
+    "csrc/core/bn_forward_common.cc",
     "csrc/core/cpu/bn_grad_cpu_baseline.cc",
     "csrc/core/cpu/bn_grad_cpu_avx2.cc",
     "csrc/core/cpu/bn_grad_cpu_avx512.cc",
 ]
-CUDA_SOURCES = ["csrc/core/bn_grad_cuda.cu"]
-# Rebuild triggers beyond the sources themselves.
-DEPENDS = ["csrc/core/bn_grad.h", "csrc/core/bn_grad_cuda.h",
-           "csrc/core/cpu/bn_grad_cpu_kernels.inc", "csrc/core/cpu/bn_grad_cpu_kernels.h"]
+CUDA_SOURCES = ["csrc/core/bn_grad_cuda.cu", "csrc/core/bn_forward_cuda.cu"]
+CORE_MODULE_SOURCE = "csrc/py/core_module.cc"
+TF_OP_SOURCES = ["csrc/tf/fbn_grad_op.cc", "csrc/tf/fbn_forward_op.cc"]
+# Every header-like file under csrc/ is a rebuild trigger of every object (coarse, safe).
+HEADER_PATTERNS = ("*.h", "*.inc", "*.cuh")
 # Same arch list in BUILD. nvcc 13 has no sm_70; PTX of sm_90 for newer GPUs.
 CUDA_GENCODE = [
     "-gencode=arch=compute_75,code=sm_75",
@@ -37,6 +50,7 @@ CUDA_GENCODE = [
     "-gencode=arch=compute_90,code=sm_90",
     "-gencode=arch=compute_90,code=compute_90",
 ]
+CUDA_ARCHS = ["sm_75", "sm_80", "sm_90", "compute_90"]
 # Per-file instruction-set flags; everything else is portable x86-64.
 ISA_FLAGS = {
     "_avx2.cc": ["-mavx2", "-mfma", "-mf16c"],
@@ -51,25 +65,19 @@ BUILD = os.environ.get("FBN_GRAD_TF_BUILD", "all")
 if BUILD not in ("all", "core", "core-cuda"):
     sys.exit("FBN_GRAD_TF_BUILD must be all, core or core-cuda, got %r" % BUILD)
 ASAN = os.environ.get("FBN_GRAD_TF_ASAN", "0") == "1"
+CUDA_MODE = "1" if BUILD == "core-cuda" else os.environ.get("FBN_GRAD_TF_CUDA", "auto")
+if CUDA_MODE not in ("0", "1", "auto"):
+    sys.exit("FBN_GRAD_TF_CUDA must be auto, 0 or 1, got %r" % CUDA_MODE)
+SAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1"] if ASAN else []
 
 
 def find_nvcc():
-    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    cand = os.path.join(cuda_home, "bin", "nvcc")
-    if os.path.exists(cand):
-        return cand
-    return shutil.which("nvcc")
-
-
-def want_cuda():
-    mode = "1" if BUILD == "core-cuda" else os.environ.get("FBN_GRAD_TF_CUDA", "auto")
-    nvcc = find_nvcc()
-    if mode == "0":
+    if CUDA_MODE == "0":
         return None
-    if mode == "1" and nvcc is None:
+    cand = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    nvcc = cand if os.path.exists(cand) else shutil.which("nvcc")
+    if CUDA_MODE == "1" and nvcc is None:
         sys.exit("FBN_GRAD_TF_CUDA=1 but nvcc was not found (set CUDA_HOME)")
-    if mode not in ("0", "1", "auto"):
-        sys.exit("FBN_GRAD_TF_CUDA must be auto, 0 or 1, got %r" % mode)
     return nvcc
 
 
@@ -83,39 +91,73 @@ def tf_flags():
     return tf.__version__, tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
 
 
-NVCC = want_cuda()
-CUDA_HOME = os.path.dirname(os.path.dirname(NVCC)) if NVCC else None
-TF_VERSION = None
-TF_CFLAGS, TF_LFLAGS = [], []
-if BUILD == "all":
-    TF_VERSION, TF_CFLAGS, TF_LFLAGS = tf_flags()
-
-SAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1"] if ASAN else []
-cuda_defs = [("FBN_WITH_CUDA", "1")] if NVCC else []
-# Static cudart: the library loads on machines without a CUDA runtime (tensorflow-cpu) and
-# only touches the driver when a GPU kernel actually runs.
-cuda_link = (["-L" + os.path.join(CUDA_HOME, "lib64"), "-l:libcudart_static.a", "-ldl", "-lrt",
-              "-lpthread"] if NVCC else [])
-cuda_inc = [os.path.join(CUDA_HOME, "include")] if NVCC else []
-
-
-def pybind_include():
-    import pybind11
-    return pybind11.get_include()
+def headers():
+    found = []
+    for pattern in HEADER_PATTERNS:
+        found += glob.glob(os.path.join(ROOT, "csrc", "**", pattern), recursive=True)
+    return sorted(found)
 
 
 class BuildExt(build_ext):
-    """Per-file ISA flags for the CPU kernels, nvcc for .cu files."""
+    """Configures the extensions (TF, CUDA, pybind11 flags), caches objects per
+    configuration, applies per-file ISA flags and compiles .cu files with nvcc."""
+
+    def run(self):
+        self.parallel = None  # one compile at a time per extension; cache dirs are per ext
+        self.rebuild_all = self.force  # --force: recompile every object
+        self._configure()
+        super().run()
+
+    def _configure(self):
+        nvcc = find_nvcc()
+        tf_version, tf_cflags, tf_lflags = tf_flags() if BUILD == "all" else (None, [], [])
+        self.nvcc = nvcc
+        info = {"TF_VERSION": tf_version, "WITH_CUDA": bool(nvcc), "CUDA_MODE": CUDA_MODE,
+                "CUDA_ARCHS": CUDA_ARCHS if nvcc else [], "WITH_ASAN": ASAN, "BUILD": BUILD}
+        cuda_home = os.path.dirname(os.path.dirname(nvcc)) if nvcc else None
+        # Static cudart: the library loads on machines without a CUDA runtime
+        # (tensorflow-cpu) and only touches the driver when a GPU kernel actually runs.
+        cuda_link = (["-L" + os.path.join(cuda_home, "lib64"), "-l:libcudart_static.a", "-ldl",
+                      "-lrt", "-lpthread"] if nvcc else [])
+        cuda_inc = [os.path.join(cuda_home, "include")] if nvcc else []
+        cuda_defs = [("FBN_WITH_CUDA", "1")] if nvcc else []
+        import pybind11
+        for ext in self.extensions:
+            ext.sources += CUDA_SOURCES if nvcc else []
+            ext.include_dirs += [os.path.join(ROOT, "csrc")] + cuda_inc
+            ext.define_macros += cuda_defs
+            ext.extra_compile_args = COMMON_FLAGS + SAN_FLAGS
+            ext.extra_link_args = cuda_link + SAN_FLAGS
+            if ext.name.endswith("_core"):
+                ext.include_dirs.append(pybind11.get_include())
+                # A C string literal of the JSON facts; json.dumps escapes nothing a C
+                # string needs beyond the quotes and backslashes handled here.
+                literal = json.dumps(json.dumps(info, sort_keys=True))
+                ext.define_macros.append(("FBN_BUILD_INFO_JSON", literal))
+            else:
+                ext.extra_compile_args = COMMON_FLAGS + tf_cflags + SAN_FLAGS
+                ext.extra_link_args = tf_lflags + cuda_link + SAN_FLAGS
+        config = json.dumps([info, nvcc, CUDA_GENCODE, COMMON_FLAGS, ISA_FLAGS, tf_cflags,
+                             tf_lflags, sys.version], sort_keys=True)
+        digest = hashlib.sha256(config.encode()).hexdigest()[:16]
+        self.object_cache = os.path.join(ROOT, "build", "fbn-obj", digest)
+        self.header_mtime = max([os.path.getmtime(h) for h in headers()] + [0.0])
+        print("[fbn build] %s; objects cached in %s"
+              % (json.dumps(info, sort_keys=True), os.path.relpath(self.object_cache, ROOT)),
+              flush=True)
 
     def build_extension(self, ext):
-        # Both extensions compile the core sources (with different flags): give each its own
-        # object directory, and build extensions one at a time (see run()).
         base_temp = self.build_temp
-        self.build_temp = os.path.join(base_temp, ext.name)
+        self.build_temp = os.path.join(self.object_cache, ext.name)
         try:
             self._build_extension(ext)
         finally:
             self.build_temp = base_temp
+
+    def _up_to_date(self, obj, src):
+        if self.rebuild_all or not os.path.exists(obj):
+            return False
+        return os.path.getmtime(obj) >= max(os.path.getmtime(src), self.header_mtime)
 
     def _build_extension(self, ext):
         compiler = self.compiler
@@ -124,8 +166,10 @@ class BuildExt(build_ext):
         original_compile = compiler._compile
 
         def compile_one(obj, src, ext_, cc_args, extra_postargs, pp_opts):
+            if self._up_to_date(obj, src):
+                return
             if src.endswith(".cu"):
-                cmd = [NVCC, "-c", src, "-o", obj, "-std=c++17", "-O3",
+                cmd = [self.nvcc, "-c", src, "-o", obj, "-std=c++17", "-O3",
                        "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
                        "-I" + os.path.join(ROOT, "csrc")] + CUDA_GENCODE
                 print(" ".join(cmd), flush=True)
@@ -139,63 +183,20 @@ class BuildExt(build_ext):
 
         compiler._compile = compile_one
         try:
+            # The extension itself is always relinked (cheap): build_ext's own whole-extension
+            # timestamp check sees neither header nor configuration changes.
+            self.force = True
             super().build_extension(ext)
         finally:
+            self.force = self.rebuild_all
             compiler._compile = original_compile
 
-    def run(self):
-        self.parallel = None  # per-extension build_temp is not thread-safe
-        # setuptools only compares timestamps: force a full rebuild when the configuration
-        # (CUDA on/off, ASan, TF version) differs from the one the objects were built with.
-        config = repr((BUILD, NVCC, ASAN, TF_VERSION, CUDA_GENCODE))
-        stamp = os.path.join(self.build_temp, "fbn_build_config.txt")
-        if not os.path.exists(stamp) or open(stamp).read() != config:
-            self.force = True
-        write_build_info()
-        super().run()
-        os.makedirs(self.build_temp, exist_ok=True)
-        with open(stamp, "w") as f:
-            f.write(config)
 
-
-def write_build_info():
-    path = os.path.join(ROOT, "python", "fbn_grad_tf", "_build_info.py")
-    with open(path, "w") as f:
-        f.write("# Written by setup.py at build time.\n")
-        f.write("TF_VERSION = %r\n" % TF_VERSION)
-        f.write("WITH_CUDA = %r\n" % bool(NVCC))
-        f.write("CUDA_MODE = %r\n" % os.environ.get("FBN_GRAD_TF_CUDA", "auto"))
-        f.write("CUDA_ARCHS = %r\n" % (["sm_75", "sm_80", "sm_90", "compute_90"] if NVCC else []))
-        f.write("WITH_ASAN = %r\n" % ASAN)
-        f.write("BUILD = %r\n" % BUILD)
-
-
-core_sources = CORE_SOURCES + (CUDA_SOURCES if NVCC else [])
-extensions = [
-    Extension(
-        "fbn_grad_tf._core",
-        sources=["csrc/py/core_module.cc"] + core_sources,
-        include_dirs=[pybind_include(), os.path.join(ROOT, "csrc")] + cuda_inc,
-        depends=DEPENDS,
-        define_macros=cuda_defs,
-        extra_compile_args=COMMON_FLAGS + SAN_FLAGS,
-        extra_link_args=cuda_link + SAN_FLAGS,
-        language="c++",
-    )
-]
+extensions = [Extension("fbn_grad_tf._core", sources=[CORE_MODULE_SOURCE] + CORE_SOURCES,
+                        language="c++")]
 if BUILD == "all":
-    extensions.append(
-        Extension(
-            "fbn_grad_tf._fbn_grad_ops",
-            sources=["csrc/tf/fbn_grad_op.cc"] + core_sources,
-            include_dirs=[os.path.join(ROOT, "csrc")] + cuda_inc,
-            depends=DEPENDS,
-            define_macros=cuda_defs,
-            extra_compile_args=COMMON_FLAGS + TF_CFLAGS + SAN_FLAGS,
-            extra_link_args=TF_LFLAGS + cuda_link + SAN_FLAGS,
-            language="c++",
-        )
-    )
+    extensions.append(Extension("fbn_grad_tf._fbn_grad_ops",
+                                sources=TF_OP_SOURCES + CORE_SOURCES, language="c++"))
 
 setup(
     ext_modules=extensions,

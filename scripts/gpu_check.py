@@ -16,6 +16,11 @@ Parts:
       (which take the scalar-load path of the same thread mapping).
   (c) benchmark: training backward vs PyTorch's cuDNN (and native) batch-norm backward on
       the ResNet-50 BN shapes at batch 32, interleaved CUDA-event timing, medians.
+  (d) forward (fbn_grad_tf.core.bn_forward): CUDA and CPU kernels vs a float64 torch
+      reference for float32/float16/bfloat16 x NHWC/NCHW (+5-D) x {training (variance,
+      inv_std, exponential_avg_factor 0.3), inference} x {identity, relu}, large-mean data
+      (mean 1e4, std ~1), NaN through the fused ReLU, determinism, and the fused-ReLU
+      backward (bn_grad relu_y=y vs dy masked with y > 0). Runs before (c).
 Exit status: 0 when every numeric/determinism check passed, 1 otherwise (2: setup error).
 
 `reference_bn_grad` (float64, NumPy only) is importable from here for other tests.
@@ -413,6 +418,357 @@ def run_determinism(bn_grad, torch, epsilon, seed, repeats=3):
 
 
 # ---------------------------------------------------------------------------------------
+# (d) forward (FusedBatchNormV3): CUDA vs float64 torch reference (on the GPU) and vs the
+# CPU kernel, plus the fused-ReLU backward.
+FWD_FORMATS = ("NHWC", "NCHW")
+FWD_SHAPES = [(2, 3, 4, 7), (1, 1, 1, 1000), (1, 1, 1, 1), (0, 3, 3, 8), (3, 17, 19, 24),
+              (2, 9, 9, 2), (8, 14, 14, 64), (4, 32, 32, 200), (1, 96, 96, 3)]
+FWD_SHAPES_5D = [(2, 3, 4, 5, 7)]
+# (is_training, saved_stat, exponential_avg_factor)
+FWD_MODES = ((True, "variance", 1.0), (True, "inv_std", 1.0), (True, "variance", 0.3),
+             (False, "variance", 1.0))
+# Statistics tolerances (float32 arithmetic on exactly representable inputs): mean
+# FWD_MEAN_ULP*|terms| + FWD_MEAN_STD*std; variances FWD_VAR_RTOL*|terms|.
+FWD_MEAN_ULP = 2.5e-7
+FWD_MEAN_STD = 1e-5
+FWD_VAR_RTOL = 3e-5
+
+
+def load_bn_forward():
+    try:
+        from fbn_grad_tf import core as mod
+    except ImportError:
+        return None
+    return getattr(mod, "bn_forward", None)
+
+
+def to_numpy_dtype(torch, t, dtype):
+    """Torch tensor -> CPU NumPy array of `dtype` with identical bits."""
+    t = t.detach().contiguous()
+    if dtype == "bfloat16":
+        return t.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
+    return t.cpu().numpy()
+
+
+def make_forward_inputs(logical_shape, dtype, data_format, rng, loc=None):
+    """x in `dtype` (per-channel mean ~U(-3,3), or `loc` + U(-1,1) when given; std 0.5..2);
+    scale, offset, running mean/var float32 [C]."""
+    shape = layout_shape(logical_shape, data_format)
+    ndim = len(shape)
+    ax = channel_axis(data_format, ndim)
+    c = shape[ax]
+    bshape = [1] * ndim
+    bshape[ax] = -1
+    mu = rng.uniform(-3, 3, c) if loc is None else loc + rng.uniform(-1, 1, c)
+    sigma = rng.uniform(0.5, 2.0, c)
+    x = rng.standard_normal(shape) * sigma.reshape(bshape) + mu.reshape(bshape)
+    x = x.astype(np.float32).astype(np_dtype(dtype))
+    scale = rng.normal(1.0, 0.5, c).astype(np.float32)
+    offset = rng.normal(0.0, 0.5, c).astype(np.float32)
+    rm = (mu + rng.normal(0, 0.1, c)).astype(np.float32)
+    rv = (sigma ** 2 * rng.uniform(0.5, 1.5, c)).astype(np.float32)
+    return dict(x=x, scale=scale, offset=offset, rm=rm, rv=rv)
+
+
+def reference_bn_forward(torch, x, scale, offset, rm, rv, epsilon, data_format, is_training,
+                         factor, saved_stat):
+    """FusedBatchNormV3 forward in float64 on the GPU (torch tensors in). Returns NumPy
+    float64 arrays: y_pre (before any activation), the four statistics outputs, and per
+    channel mean/k/std/offset plus the magnitudes of the blended terms (for tolerances)."""
+    xd = x.double()
+    nd = xd.dim()
+    ax = channel_axis(data_format, nd)
+    dims = [i for i in range(nd) if i != ax]
+    bshape = [1] * nd
+    bshape[ax] = -1
+    c = xd.shape[ax]
+    m = xd.numel() // c if c else 0
+    sc, of = scale.double(), offset.double()
+    eps = float(np.float32(epsilon))
+    f = float(np.float32(factor))
+    if is_training:
+        if m > 0:
+            mean = xd.mean(dim=dims)
+            var = ((xd - mean.view(bshape)) ** 2).mean(dim=dims)
+        else:
+            mean = torch.zeros(c, dtype=torch.float64, device=xd.device)
+            var = torch.zeros_like(mean)
+        unb = var * m / max(m - 1, 1)
+        if f != 1.0:
+            rmd, rvd = rm.double(), rv.double()
+            bm, bv = f * mean + (1 - f) * rmd, f * unb + (1 - f) * rvd
+            bm_mag = (f * mean).abs() + ((1 - f) * rmd).abs()
+            bv_mag = (f * unb).abs() + ((1 - f) * rvd).abs()
+        else:
+            bm, bv, bm_mag, bv_mag = mean, unb, mean.abs(), unb
+        inv = 1.0 / torch.sqrt(var + eps)
+        sm, sv = mean, (inv if saved_stat == "inv_std" else var)
+        ymean, k, std = mean, sc * inv, torch.sqrt(var)
+    else:
+        rmd, rvd = rm.double(), rv.double()
+        bm = sm = ymean = rmd
+        bv = sv = rvd
+        bm_mag, bv_mag = rmd.abs(), rvd.abs()
+        k, std = sc / torch.sqrt(rvd + eps), torch.sqrt(rvd)
+    y_pre = (xd - ymean.view(bshape)) * k.view(bshape) + of.view(bshape)
+    out = dict(y_pre=y_pre, batch_mean=bm, batch_variance=bv, saved_mean=sm, saved_var=sv,
+               mean=ymean, k=k, std=std, offset=of, bm_mag=bm_mag, bv_mag=bv_mag)
+    out = {key: v.cpu().numpy() for key, v in out.items()}
+    out["bshape"] = bshape
+    return out
+
+
+FWD_OUTPUTS = ("y", "batch_mean", "batch_variance", "saved_mean", "saved_var")
+
+
+def compare_forward(got, ref, dtype, is_training, saved_stat, factor, relu, rm, rv):
+    """got: the five outputs in float64. Returns (ok, y_norm, stat_norm, reason)."""
+    reasons = []
+    y, bm, bv, sm, sv = got
+    y_pre = ref["y_pre"]
+    y_ref = np.maximum(y_pre, 0.0) if relu else y_pre
+    if y.shape != y_ref.shape:
+        return False, math.inf, math.inf, "y shape %s != %s" % (y.shape, y_ref.shape)
+    stat_norm = 0.0
+    if is_training:
+        f = float(np.float32(factor))
+        std = ref["std"]
+        checks = (("saved_mean", sm, ref["saved_mean"],
+                   FWD_MEAN_ULP * np.abs(ref["saved_mean"]) + FWD_MEAN_STD * std),
+                  ("batch_mean", bm, ref["batch_mean"],
+                   FWD_MEAN_ULP * ref["bm_mag"] + FWD_MEAN_STD * std * f),
+                  ("batch_variance", bv, ref["batch_variance"], FWD_VAR_RTOL * ref["bv_mag"]),
+                  ("saved_var", sv, ref["saved_var"], FWD_VAR_RTOL * np.abs(ref["saved_var"])))
+        for name, g, r, tol in checks:
+            if g.shape != r.shape:
+                reasons.append("%s shape %s != %s" % (name, g.shape, r.shape))
+                continue
+            err = np.abs(g - r)
+            tol = tol + 1e-30
+            if g.size and (not np.all(np.isfinite(g)) or np.any(err > tol)):
+                c = int(np.argmax(np.where(np.isfinite(err), err - tol, np.inf)))
+                reasons.append("%s[%d]=%r ref %r" % (name, c, g[c], r[c]))
+            if g.size:
+                stat_norm = max(stat_norm, float(np.max(err / tol)))
+    else:  # copies of the running statistics, bit for bit
+        for name, g, r in (("batch_mean", bm, rm), ("batch_variance", bv, rv),
+                           ("saved_mean", sm, rm), ("saved_var", sv, rv)):
+            if g.shape != r.shape or not np.array_equal(g, to_f64(r)):
+                reasons.append("%s is not a copy of the running statistic" % name)
+    if y_ref.size == 0:
+        return not reasons, 0.0, stat_norm, "; ".join(reasons)
+    bshape = ref["bshape"]
+    k = np.abs(ref["k"]).reshape(bshape)
+    mean = np.abs(ref["mean"]).reshape(bshape)
+    std = ref["std"].reshape(bshape)
+    rtol = DX_RTOL[dtype]
+    ymax = float(np.max(np.abs(y_pre)))
+    # Output rounding + float32 rounding of the mean (1 ulp of |mean|, large for a large
+    # mean) and the statistics' tolerance, carried through k; k's own error in training.
+    bound = (rtol * np.abs(y_pre) + DX_ATOL_FRAC * rtol * ymax
+             + k * (1.5e-7 * mean + (FWD_MEAN_STD * std if is_training else 0.0)))
+    if is_training:
+        bound = bound + FWD_VAR_RTOL * np.abs(y_pre - ref["offset"].reshape(bshape))
+    err = np.abs(y - y_ref)
+    if not np.all(np.isfinite(y)):
+        reasons.append("y has non-finite values")
+    elif np.any(err > bound):
+        i = np.unravel_index(np.argmax(err - bound), err.shape)
+        reasons.append("y%s=%r ref %r" % (tuple(int(v) for v in i), y[i], y_ref[i]))
+    if relu and np.any(y < 0):
+        reasons.append("relu output has negative values")
+    y_norm = float(err.max() / ymax) if ymax > 0 else float(err.max())
+    return not reasons, y_norm, stat_norm, "; ".join(reasons)
+
+
+def forward_numeric_cases():
+    for dtype, fmt, (training, stat, f), relu in itertools.product(
+            DTYPES, FWD_FORMATS + ("NDHWC", "NCDHW"), FWD_MODES, (False, True)):
+        if relu and not (stat == "inv_std" or not training):
+            continue  # the ReLU with training (inv_std) and inference only
+        shapes = FWD_SHAPES_5D if fmt in ("NDHWC", "NCDHW") else FWD_SHAPES
+        for s in shapes:
+            yield dtype, fmt, training, stat, f, relu, s, None
+    # Large mean (std 0.5..2): a naive E[x^2] - E[x]^2 would lose the variance.
+    for dtype, fmt, (training, stat, f) in itertools.product(
+            DTYPES, FWD_FORMATS, FWD_MODES[:3]):
+        loc = 1e4 if dtype == "float32" else 1e2
+        for s in ((16, 28, 28, 64), (1, 256, 256, 1), (4, 64, 64, 3)):
+            yield dtype, fmt, training, stat, f, False, s, loc
+
+
+def run_forward_checks(bn_forward, bn_grad, torch, epsilon, seed, verbose):
+    """Returns (checks, failures)."""
+    rng = np.random.default_rng(seed + 7)
+    t0 = time.time()
+    failures = []
+    stats = {}
+    n = 0
+    for dtype, fmt, training, stat, f, relu, shape, loc in forward_numeric_cases():
+        if dtype == "bfloat16" and ml_dtypes is None:
+            continue
+        inp = make_forward_inputs(shape, dtype, fmt, rng, loc)
+        d = {k: to_device(torch, v) for k, v in inp.items()}
+        ref = reference_bn_forward(torch, d["x"], d["scale"], d["offset"], d["rm"], d["rv"],
+                                   epsilon, fmt, training, f, stat)
+        # Training with factor 1 does not read the running statistics: pass None, like TF's
+        # empty tensors.
+        no_rs = training and f == 1.0
+        kw = dict(epsilon=epsilon, exponential_avg_factor=f, data_format=fmt,
+                  is_training=training, activation="relu" if relu else "identity",
+                  saved_stat=stat)
+        mode = ("train/%s/f%g" % (stat, f)) if training else "infer"
+        if loc is not None:
+            mode += "/mean%g" % loc
+        runs = (("cuda", lambda: bn_forward(d["x"], d["scale"], d["offset"],
+                                            None if no_rs else d["rm"],
+                                            None if no_rs else d["rv"], **kw)),
+                ("cpu", lambda: bn_forward(inp["x"], inp["scale"], inp["offset"],
+                                           None if no_rs else inp["rm"],
+                                           None if no_rs else inp["rv"], num_threads=0,
+                                           isa="auto", **kw)))
+        for dev, fn in runs:
+            n += 1
+            key = (dtype, fmt, mode, dev)
+            st = stats.setdefault(key, [0, 0, 0.0, 0.0])
+            st[0] += 1
+            try:
+                out = fn()
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                got = tuple(result_to_f64(o) for o in out)
+                if got[0].size == 0:  # as TF: NaN batch statistics, zero reserve spaces
+                    ok = (all(np.all(np.isnan(g)) for g in got[1:3])
+                          and all(np.all(g == 0) for g in got[3:5]))
+                    yn, sn, why = 0.0, 0.0, "" if ok else "empty x: statistics not TF's"
+                else:
+                    ok, yn, sn, why = compare_forward(got, ref, dtype, training, stat, f,
+                                                      relu, inp["rm"], inp["rv"])
+            except Exception as e:  # noqa: BLE001 - report every kind of failure
+                ok, yn, sn, why = False, math.inf, math.inf, repr(e)
+            st[2] = max(st[2], yn)
+            st[3] = max(st[3], sn)
+            if not ok:
+                st[1] += 1
+                failures.append("%s %s %s %s%s shape=%s: %s" % (
+                    dev, dtype, fmt, mode, "/relu" if relu else "",
+                    layout_shape(shape, fmt), why))
+            if verbose:
+                print("  %-4s %-8s %-5s %-28s %-5s %-20s y %.2e stats %.2e %s" % (
+                    dev, dtype, fmt, mode, "relu" if relu else "", layout_shape(shape, fmt),
+                    yn, sn, "ok" if ok else "FAIL"))
+    print("(d) forward numerics: %d runs in %.1fs (y: dtype rtol + ulp(mean)*|k|; stats: mean "
+          "%g*|ref| + %g*std, variances %g*|ref|)" % (n, time.time() - t0, FWD_MEAN_ULP,
+                                                      FWD_MEAN_STD, FWD_VAR_RTOL))
+    print("  %-8s %-6s %-28s %-5s %6s %6s %11s %11s" % (
+        "dtype", "format", "mode", "dev", "runs", "fail", "y err/max", "stat err/tol"))
+    for key in sorted(stats):
+        st = stats[key]
+        print("  %-8s %-6s %-28s %-5s %6d %6d %11.3e %11.3e" % (key + tuple(st)))
+
+    # NaN propagation through the fused ReLU (inference: one element; training: its channel).
+    for dev in ("cuda", "cpu"):
+        for training in (False, True):
+            n += 1
+            inp = make_forward_inputs((2, 3, 3, 4), "float32", "NHWC", rng)
+            inp["x"][0, 1, 2, 1] = np.nan
+            try:
+                args = [inp[k] for k in ("x", "scale", "offset", "rm", "rv")]
+                if dev == "cuda":
+                    args = [to_device(torch, a) for a in args]
+                out = bn_forward(*args, epsilon=epsilon, data_format="NHWC",
+                                 is_training=training, activation="relu")
+                y = result_to_f64(out[0])
+                nan = np.isnan(y)
+                want = np.zeros_like(nan)
+                if training:
+                    want[..., 1] = True
+                else:
+                    want[0, 1, 2, 1] = True
+                ok = np.array_equal(nan, want) and not np.any(y[~nan] < 0)
+                why = "NaN pattern of y wrong (%d NaNs, want %d)" % (nan.sum(), want.sum())
+            except Exception as e:  # noqa: BLE001
+                ok, why = False, repr(e)
+            if not ok:
+                failures.append("%s relu NaN propagation (%s): %s" % (
+                    dev, "train" if training else "infer", why))
+
+    # Determinism: repeated runs and a misaligned x give the same bits.
+    for dtype, fmt, shape in itertools.product(("float32", "float16"), FWD_FORMATS,
+                                               ((8, 28, 28, 128), (1, 256, 256, 1),
+                                                (4, 17, 17, 6))):
+        n += 1
+        inp = make_forward_inputs(shape, dtype, fmt, rng)
+        d = {k: to_device(torch, v) for k, v in inp.items()}
+        kw = dict(epsilon=epsilon, exponential_avg_factor=0.3, data_format=fmt,
+                  is_training=True, activation="relu", saved_stat="inv_std")
+        try:
+            outs = []
+            for i in range(3):
+                x = to_device(torch, inp["x"], misalign=True) if i == 2 else d["x"]
+                o = bn_forward(x, d["scale"], d["offset"], d["rm"], d["rv"], **kw)
+                outs.append([result_bits(t) for t in o])
+            bad = [name for i in (1, 2) for name, a, b in zip(FWD_OUTPUTS, outs[0], outs[i])
+                   if not np.array_equal(a, b)]
+            ok, why = not bad, "differs between runs: %s" % ",".join(sorted(set(bad)))
+        except Exception as e:  # noqa: BLE001
+            ok, why = False, repr(e)
+        if not ok:
+            failures.append("cuda determinism %s %s shape=%s: %s" % (
+                dtype, fmt, layout_shape(shape, fmt), why))
+
+    # Fused-ReLU backward: bn_grad(relu_y=y) == bn_grad(dy masked with y > 0), bitwise on the
+    # GPU; both devices against the float64 reference on the masked dy.
+    for dtype, fmt, shape, training in itertools.product(
+            DTYPES, FWD_FORMATS, ((3, 17, 19, 24), (2, 9, 9, 2), (8, 14, 14, 64)), (True, False)):
+        if dtype == "bfloat16" and ml_dtypes is None:
+            continue
+        n += 1
+        stat = "inv_std" if training else "variance"
+        inp = make_forward_inputs(shape, dtype, fmt, rng)
+        d = {k: to_device(torch, v) for k, v in inp.items()}
+        tag = "%s %s %s shape=%s" % (dtype, fmt, "train" if training else "infer",
+                                     layout_shape(shape, fmt))
+        try:
+            y, _, _, sm, sv = bn_forward(d["x"], d["scale"], d["offset"], d["rm"], d["rv"],
+                                         epsilon=epsilon, data_format=fmt,
+                                         is_training=training, activation="relu",
+                                         saved_stat=stat)
+            y = torch.as_tensor(y, device="cuda")
+            sm, sv = torch.as_tensor(sm, device="cuda"), torch.as_tensor(sv, device="cuda")
+            dy = to_device(torch, rng.standard_normal(y.shape).astype(np.float32)
+                           .astype(np_dtype(dtype)))
+            dy_m = torch.where(y > 0, dy, torch.zeros_like(dy))
+            kw = dict(epsilon=epsilon, data_format=fmt, is_training=training, saved_stat=stat)
+            fused = bn_grad(dy, d["x"], d["scale"], sm, sv, relu_y=y, **kw)
+            masked = bn_grad(dy_m, d["x"], d["scale"], sm, sv, **kw)
+            for name, a, b in zip(("dx", "scale_backprop", "offset_backprop"), fused, masked):
+                if not np.array_equal(result_bits(a), result_bits(b)):
+                    failures.append("cuda relu backward %s: %s differs from the pre-masked "
+                                    "backward" % (tag, name))
+            np_in = [to_numpy_dtype(torch, t, dtype) for t in (dy, dy_m, y)]
+            sm_np, sv_np = sm.cpu().numpy(), sv.cpu().numpy()
+            ref = reference_bn_grad(np_in[1], inp["x"], inp["scale"], sm_np, sv_np, epsilon,
+                                    fmt, training, stat)
+            cpu = bn_grad(np_in[0], inp["x"], inp["scale"], sm_np, sv_np, relu_y=np_in[2],
+                          num_threads=0, isa="auto", **kw)
+            for dev, out in (("cuda", fused), ("cpu", cpu)):
+                ok, _, _, _, why = compare(tuple(result_to_f64(o) for o in out), ref, dtype)
+                if not ok:
+                    failures.append("%s relu backward %s: %s" % (dev, tag, why))
+        except Exception as e:  # noqa: BLE001
+            failures.append("relu backward %s: %r" % (tag, e))
+    torch.cuda.synchronize()
+    print("(d) forward: %d checks (numerics, NaN/ReLU, determinism, ReLU backward) in %.1fs: %s"
+          % (n, time.time() - t0, "all ok" if not failures else "%d FAILED" % len(failures)))
+    for msg in failures[:40]:
+        print("  FAIL " + msg)
+    if len(failures) > 40:
+        print("  ... %d more failures" % (len(failures) - 40))
+    return n, len(failures)
+
+
+# ---------------------------------------------------------------------------------------
 # (c) benchmark.
 def copy_bandwidth(torch, iters=10):
     """Device-to-device copy of a 1 GiB tensor; bytes counted read + write."""
@@ -584,6 +940,7 @@ def main(argv=None):
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--skip-numerics", action="store_true")
     ap.add_argument("--skip-determinism", action="store_true")
+    ap.add_argument("--skip-forward", action="store_true")
     ap.add_argument("--bench-iters", type=int, default=15)
     ap.add_argument("--bench-reps", type=int, default=10)
     ap.add_argument("--bench-dtypes", default=",".join(DTYPES))
@@ -636,6 +993,19 @@ def main(argv=None):
         n, nbad = run_determinism(bn_grad, torch, args.epsilon, args.seed)
         failures += nbad
         summary.append("determinism %s (%d configs)" % ("ok" if not nbad else "%d BAD" % nbad, n))
+    if not args.cpu_only and not args.skip_forward:
+        print("(d) forward: running ...", flush=True)
+        bn_forward = load_bn_forward()
+        if bn_forward is None:
+            print("(d) forward: FAIL: fbn_grad_tf.core has no bn_forward (use --skip-forward)")
+            failures += 1
+            summary.append("forward MISSING")
+        else:
+            n, nbad = run_forward_checks(bn_forward, bn_grad, torch, args.epsilon, args.seed,
+                                         args.verbose)
+            failures += nbad
+            summary.append("forward %s (%d checks)" % ("ok" if not nbad else "%d BAD" % nbad,
+                                                      n))
     if not args.cpu_only and not args.skip_bench:
         print("(c) benchmark: running ...", flush=True)
         rows, nbad, geo = run_benchmark(

@@ -132,3 +132,232 @@ def test_parse_filters():
         bench.build_parser().parse_args(["--dtypes", "float64"])
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--shapes", "3x3x3"])
+
+
+# ---- the PyTorch column and --layer, through the command line --------------------------------
+
+import inspect  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+
+CLI_TINY = ["--shapes", "2x3x3x8", "--reps", "2", "--no-progress"]
+_NUM = re.compile(r"^\d+\.\d+x?$")
+
+
+def _torch_state(monkeypatch, torch_mode):
+    """'installed': torch as it is here (possibly absent); 'missing': `import torch` fails as
+    if not installed. Returns whether torch is importable for the run."""
+    if torch_mode == "missing":
+        monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` -> ModuleNotFoundError
+        return False
+    try:
+        import torch  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _parse_table(printed, first_col="shape"):
+    """The printed table as (header fields, rows of fields): columns are separated by two or
+    more spaces (headers have at most one inside: "TF BN+ReLU")."""
+    lines = printed.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(first_col + " "))
+    header = re.split(r" {2,}", lines[start].strip())
+    rows = []
+    for line in lines[start + 2:]:  # blank lines separate groups; the summary follows
+        if line.startswith("Summary"):
+            break
+        if line.strip():
+            rows.append(re.split(r" {2,}", line.strip()))
+    for r in rows:
+        assert len(r) == len(header), (header, r)
+    return header, rows
+
+
+def _cell_ok(v):
+    """A table cell: a positive number (ms or ratio) or n/a."""
+    if v == "n/a":
+        return True
+    assert _NUM.match(v), v
+    return float(v.rstrip("x")) > 0
+
+
+@pytest.mark.parametrize("torch_mode", ["installed", "missing"])
+def test_torch_column(tmp_path, capsys, monkeypatch, torch_mode):
+    have = _torch_state(monkeypatch, torch_mode)
+    out = tmp_path / "r.json"
+    rc = bench.main(CLI_TINY + ["--dtypes", "float32,bf16", "--formats", "NHWC,NCHW",
+                                "--modes", "train,infer", "--no-eigen",
+                                "--bandwidth-mib", "16", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    header, rows = _parse_table(printed)
+    assert header[:5] == ["shape", "fmt", "dtype", "mode", "ours ms"]
+    assert {"torch ms", "t%BW", "%BW", "GB/s"} <= set(header)
+    ti = header.index("torch ms")
+    assert header[ti + 1] == "x"
+    assert len(rows) == 8
+    for r in rows:
+        for h, v in zip(header[4:-1], r[4:-1]):  # GB/s, %BW: tiny shapes round to 0
+            assert _cell_ok(v) if h not in ("GB/s", "%BW", "t%BW") else (
+                v == "n/a" or re.match(r"^\d+(\.\d+)?%?$", v)), (h, v)
+        assert float(r[header.index("ours ms")]) > 0
+        assert (r[ti] != "n/a") == have, r
+    assert "vs PyTorch" in printed
+    data = json.loads(out.read_text())
+    for row in data["results"]:
+        if have:
+            assert row["torch_ms"] > 0 and row["speedup_torch"] > 0, row["torch_error"]
+            assert row["torch_gbps"] > 0 and row["torch_bw_fraction"] > 0
+            assert row["check"]["main"]["torch"]["dx"] <= bench.DX_TOL[row["dtype"]]
+        else:
+            assert row["torch_ms"] is None and row["speedup_torch"] is None
+            assert row["torch_error"] == "torch not installed"
+    if not have:
+        assert "n/a (torch not installed)" in printed
+        assert data["meta"]["torch"] == "torch: n/a (torch not installed)"
+        for g in data["summary"]["speedups"]:
+            assert g["torch_training"] is None and g["torch_inference"] is None
+    else:
+        assert any(g["torch_training"] for g in data["summary"]["speedups"])
+
+
+def _fake_forward_api(monkeypatch, api):
+    """'built': fbn_grad_tf.nn.fused_batch_norm as it is; 'no_op': as it is, with
+    nn.our_forward_available() False; 'old': without forward=/activation=; 'new': with them
+    (a stand-in on top of the built one: TF's forward, our backward, ReLU as tf.nn.relu),
+    so that both shapes of the API are exercised whatever this build has. Returns whether
+    the ours columns should be measured."""
+    from fbn_grad_tf import nn
+    real = nn.fused_batch_norm
+    has_forward = "forward" in inspect.signature(real).parameters
+    if api == "built":
+        return bench.ours_forward_support()["forward"]
+    if api == "no_op":  # forward= accepted but our forward op cannot run here
+        monkeypatch.setattr(nn, "our_forward_available", lambda: False, raising=False)
+        return False
+
+    def call_real(x, scale, offset, mean, variance, epsilon, data_format, is_training,
+                  exponential_avg_factor):
+        extra = {"forward": "tf"} if has_forward else {}
+        return real(x, scale, offset, mean, variance, epsilon=epsilon,
+                    data_format=data_format, is_training=is_training,
+                    exponential_avg_factor=exponential_avg_factor, **extra)
+
+    if api == "old":
+        def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
+                             data_format="NHWC", is_training=True, exponential_avg_factor=1.0,
+                             name=None):
+            return call_real(x, scale, offset, mean, variance, epsilon, data_format,
+                             is_training, exponential_avg_factor)
+    else:
+        def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
+                             data_format="NHWC", is_training=True, exponential_avg_factor=1.0,
+                             activation=None, forward="ours", name=None):
+            y, m, v = call_real(x, scale, offset, mean, variance, epsilon, data_format,
+                                is_training, exponential_avg_factor)
+            return (tf.nn.relu(y) if activation == "relu" else y), m, v
+        monkeypatch.setattr(nn, "our_forward_available", lambda: True, raising=False)
+    monkeypatch.setattr(nn, "fused_batch_norm", fused_batch_norm)
+    return api == "new"
+
+
+@pytest.mark.parametrize("api,torch_mode", [("built", "installed"), ("old", "missing"),
+                                            ("new", "installed"), ("no_op", "installed")])
+def test_layer_mode(tmp_path, capsys, monkeypatch, api, torch_mode):
+    has_forward = _fake_forward_api(monkeypatch, api)
+    have_torch = _torch_state(monkeypatch, torch_mode)
+    out = tmp_path / "l.json"
+    rc = bench.main(CLI_TINY + ["--layer", "--dtypes", "float32,bf16", "--formats", "NHWC,NCHW",
+                                "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    header, rows = _parse_table(printed)
+    headers = [h for _, h, _ in bench.LAYER_COLUMNS]
+    assert header[:3] == ["shape", "fmt", "dtype"] and header[-1] == "reps"
+    assert [h for h in header[3:-1] if h != "x"] == headers
+    assert len(rows) == 4
+    base = "ours" if has_forward else "tf+ours"
+    n_x = len(headers) - (2 if has_forward else 3)  # no x after ours, ours+ReLU (and tf+ours)
+    assert header.count("x") == n_x
+    for r in rows:
+        cells = dict(zip(header, r))  # "x" keeps the last one; all are checked below
+        assert all(_cell_ok(v) for v in r[3:-1]), r
+        for h in ("tf+ours", "TF BN+ReLU", "TF fused", "Keras"):
+            assert cells[h] != "n/a", (h, r)
+        assert (cells["ours"] != "n/a") == has_forward
+        assert (cells["ours+ReLU"] != "n/a") == has_forward
+        assert (cells["PyTorch"] != "n/a") == have_torch
+        assert int(cells["reps"]) == 2
+    assert ("ours: n/a (needs our forward op)" in printed) == (not has_forward)
+    assert ("PyTorch: n/a (torch not installed)" in printed) == (torch_mode == "missing")
+
+    data = json.loads(out.read_text())
+    assert data["meta"]["mode"] == "layer"
+    assert data["meta"]["ratio_base"] == ("ours" if has_forward else "tf_ours")
+    assert data["meta"]["ours_forward"]["forward"] == has_forward
+    assert {(r["dtype"], r["format"]) for r in data["results"]} == {
+        (d, f) for d in ("float32", "bfloat16") for f in ("NHWC", "NCHW")}
+    for row in data["results"]:
+        assert row["reps"] == 2 and row["check"]["reference"] == "TF fused"
+        for k in bench.LAYER_KEYS:
+            ms, err = row[k + "_ms"], row[k + "_error"]
+            assert (ms is None) != (err is None), (k, ms, err)
+            assert ms is None or ms > 0
+            if ms is not None and k != "tf":  # TF fused is the reference
+                assert set(row["check"][k]) >= {"y", "dx", "dscale", "doffset"}
+                if k in ("ours_relu", "tf_relu"):
+                    assert row["check"][k]["relu_mask_diff"] >= 0
+            if "x_" + k in row and ms is not None and row[row["partner_" + k] + "_ms"]:
+                assert row["x_" + k] > 0
+        assert row["x_tf"] == pytest.approx(row["tf_ms"] / row[
+            ("ours" if has_forward else "tf_ours") + "_ms"])
+        assert row["partner_tf_relu"] == ("ours_relu" if has_forward else "tf_ours")
+        if has_forward:
+            assert row["ours_ms"] and row["ours_relu_ms"]
+        else:
+            assert row["ours_error"] == row["ours_relu_error"] == bench.NEEDS_FORWARD
+        assert (row["torch_ms"] is not None) == have_torch
+    groups = data["summary"]["speedups"]
+    assert len(groups) == 4 and all(g["tf"] > 0 and g["keras"] > 0 for g in groups)
+    assert "Summary: median over shapes of their ms / %s ms" % base in printed
+
+
+@pytest.mark.parametrize("wrong", ["y", "relu_grad"])
+def test_layer_check_catches_a_wrong_forward(monkeypatch, wrong):
+    """A wrong result of ours stops --layer before timing: y scaled (tf+ours, which every
+    build has), or ours+ReLU whose gradient ignores the ReLU (y right, dx not masked)."""
+    from fbn_grad_tf import nn
+    real = nn.fused_batch_norm
+    if wrong == "y":
+        def fake(*args, **kw):
+            y, m, v = real(*args, **kw)
+            return y * 1.5, m, v
+    else:
+        _fake_forward_api(monkeypatch, "new")
+        good = nn.fused_batch_norm
+
+        def fake(x, scale, offset, mean=None, variance=None, epsilon=0.001, data_format="NHWC",
+                 is_training=True, exponential_avg_factor=1.0, activation=None,
+                 forward="ours", name=None):
+            y, m, v = good(x, scale, offset, mean, variance, epsilon, data_format,
+                           is_training, exponential_avg_factor, None, forward)
+            if activation == "relu":  # forward relu(y), backward as if there were no ReLU
+                y = y + tf.stop_gradient(tf.nn.relu(y) - y)
+            return y, m, v
+    monkeypatch.setattr(nn, "fused_batch_norm", fake)
+    cfg = bench.Config(shapes=((2, 3, 3, 8),), dtypes=("float32",), formats=("NHWC",), reps=2,
+                       progress=False, torch=False)
+    match = "tf\\+ours differs.*y rel err" if wrong == "y" else "ours\\+ReLU differs.*dx rel err"
+    with pytest.raises(bench.CorrectnessError, match=match):
+        bench.run_layer(cfg)
+
+
+def test_layer_parse_defaults():
+    args = bench.build_parser().parse_args(["--layer", "--modes", "infer"])
+    cfg = bench.config_from_args(args)
+    assert cfg.dtypes == ("float32",) and cfg.formats == ("NHWC",)
+    assert cfg.modes == ("training",) and cfg.shapes == bench.DEFAULT_SHAPES
+    cfg = bench.config_from_args(bench.build_parser().parse_args(
+        ["--layer", "--quick", "--dtypes", "bf16"]))
+    assert cfg.shapes == bench.QUICK_SHAPES and cfg.dtypes == ("bfloat16",)

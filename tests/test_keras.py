@@ -98,7 +98,41 @@ def test_train_step_graph_uses_our_op():
     model = small_cnn(FbnBN)
     step = _train_step_fn(model, keras.optimizers.SGD(0.1))
     types = all_op_types(step.get_concrete_function(X, Y).graph)
-    assert OURS in types and TFS not in types and "FusedBatchNormV3" in types
+    # Training runs on our forward and our backward; TF's forward only with forward_op.
+    assert OURS in types and TFS not in types
+    assert "FbnGrad>FusedBatchNormV3" in types and "FusedBatchNormV3" not in types
+    model2 = small_cnn(FbnBN)
+    for layer in model2.layers:
+        if isinstance(layer, FbnBN):
+            layer.forward_op = "tensorflow"
+    step2 = _train_step_fn(model2, keras.optimizers.SGD(0.1))
+    types2 = all_op_types(step2.get_concrete_function(X, Y).graph)
+    assert OURS in types2 and "FusedBatchNormV3" in types2
+    assert "FbnGrad>FusedBatchNormV3" not in types2
+
+
+@pytest.mark.parametrize("forward_op", ["fbn_grad_tf", "tensorflow"])
+def test_fused_relu_layer_matches_bn_then_relu(forward_op):
+    rng = np.random.default_rng(4)
+    x = tf.constant(rng.standard_normal((8, 6, 6, 5)).astype(np.float32))
+    ours = FbnBN(activation="relu")
+    ours.forward_op = forward_op
+    ref = keras.layers.BatchNormalization()
+    ours.build(x.shape)
+    ref.build(x.shape)
+    ref.set_weights(ours.get_weights())
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        a = ours(x, training=True)
+        b = tf.nn.relu(ref(x, training=True))
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(tape.gradient(a, x).numpy(), tape.gradient(b, x).numpy(),
+                               rtol=1e-4, atol=1e-4)
+    for u, v in zip(ours.get_weights(), ref.get_weights()):  # moving statistics
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours(x, training=False).numpy(),
+                               tf.nn.relu(ref(x, training=False)).numpy(), rtol=1e-5, atol=1e-5)
+    assert FbnBN.from_config(ours.get_config()).activation == "relu"
 
 
 def test_jit_compile_falls_back_to_tf_grad_with_warning():

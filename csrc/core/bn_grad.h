@@ -68,6 +68,9 @@ struct BnGradArgs {
   T* dx = nullptr;
   float* dscale = nullptr;
   float* doffset = nullptr;
+  // Fused ReLU (the forward was y = max(bn(x), 0)): when set, y_backprop is masked with
+  // relu_y > 0 before everything else, in every pass. Same shape and type as x.
+  const T* relu_y = nullptr;
 };
 
 // ---------------------------------------------------------------------------------------

@@ -27,116 +27,19 @@
 //   [2GC+2C, 2GC+3C)  q[c]   = inv * inv * sum(dy * (x-mean)) / M
 #include "bn_grad_cuda.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda_common.cuh"
+
 namespace fbn {
 namespace {
 
-constexpr int kThreads = 256;               // threads per block of every kernel
-constexpr int64_t kTargetBlocks = 1024;     // roughly one full wave on a large GPU
-constexpr int64_t kMinBlockElems = 4096;    // least work of a reduction block
-constexpr int64_t kNominalTile = 128;       // channels-last: channels per tile (for G only)
-constexpr int64_t kChunkAlign = 8;          // channels-first chunk: multiple of any VEC
-constexpr int64_t kMaxGrid = int64_t{1} << 30;
+using namespace cuda_detail;  // NOLINT: kThreads, Dev<T>, LoadVec, StoreVec, WarpSum, ...
 
 enum Mode : int { kReduce = 0, kReduceScale = 1, kApply = 2 };
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// ---------------------------------------------------------------------------------------
-// Element types.
-template <typename T>
-struct Dev;
-template <>
-struct Dev<float> {
-  using Raw = float;
-  static __device__ __forceinline__ float ToF(float v) { return v; }
-  static __device__ __forceinline__ float FromF(float v) { return v; }
-};
-template <>
-struct Dev<half_t> {
-  using Raw = unsigned short;
-  static __device__ __forceinline__ float ToF(unsigned short b) {
-    return __half2float(__ushort_as_half(b));
-  }
-  static __device__ __forceinline__ unsigned short FromF(float f) {
-    return __half_as_ushort(__float2half_rn(f));
-  }
-};
-template <>
-struct Dev<bfloat16_t> {
-  using Raw = unsigned short;
-  static __device__ __forceinline__ float ToF(unsigned short b) {
-    return __bfloat162float(__ushort_as_bfloat16(b));
-  }
-  static __device__ __forceinline__ unsigned short FromF(float f) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-  }
-};
-
-template <int kBytes>
-struct Bits;
-template <>
-struct Bits<2> {
-  using type = unsigned short;
-};
-template <>
-struct Bits<4> {
-  using type = unsigned int;
-};
-template <>
-struct Bits<8> {
-  using type = uint2;
-};
-template <>
-struct Bits<16> {
-  using type = uint4;
-};
-
-// Loads VEC contiguous elements as floats: one vector load when `aligned`, else VEC
-// scalar loads. Both give the same values, so alignment never changes results.
-template <typename T, int VEC>
-__device__ __forceinline__ void LoadVec(const typename Dev<T>::Raw* p, bool aligned,
-                                        float (&out)[VEC]) {
-  using Raw = typename Dev<T>::Raw;
-  if (VEC == 1 || aligned) {
-    using V = typename Bits<sizeof(Raw) * VEC>::type;
-    union {
-      V v;
-      Raw r[VEC];
-    } u;
-    u.v = __ldg(reinterpret_cast<const V*>(p));
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) out[v] = Dev<T>::ToF(u.r[v]);
-  } else {
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) out[v] = Dev<T>::ToF(__ldg(p + v));
-  }
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void StoreVec(typename Dev<T>::Raw* p, bool aligned,
-                                         const float (&in)[VEC]) {
-  using Raw = typename Dev<T>::Raw;
-  if (VEC == 1 || aligned) {
-    using V = typename Bits<sizeof(Raw) * VEC>::type;
-    union {
-      V v;
-      Raw r[VEC];
-    } u;
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) u.r[v] = Dev<T>::FromF(in[v]);
-    *reinterpret_cast<V*>(p) = u.v;
-  } else {
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) p[v] = Dev<T>::FromF(in[v]);
-  }
-}
 
 // ---------------------------------------------------------------------------------------
 // Kernel parameters (passed by value).
@@ -167,7 +70,12 @@ struct KParams {
   int aligned;      // dy, x, dx aligned for VEC-wide vector accesses
   int inv_std;      // reserve_space_2 already holds 1/sqrt(var + eps)
   int training;
+  const void* relu_y;  // fused ReLU: mask dy with relu_y > 0 (kernels with kRelu only)
 };
+
+// Fused ReLU backward: y_backprop counts only where the forward's output was positive
+// (a select, so a masked-out dy never reaches the sums, whatever its value).
+__device__ __forceinline__ float ReluMask(float dy, float y) { return y > 0.f ? dy : 0.f; }
 
 __device__ __forceinline__ float InvStd(const KParams& p, int64_t c) {
   if (p.training && p.inv_std) return p.var[c];
@@ -197,15 +105,9 @@ __device__ __forceinline__ float Dx(float dy, float x, float mean, float a, floa
   return a * ((dy - b) - (x - mean) * q);
 }
 
-__device__ __forceinline__ float WarpSum(float s) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffffu, s, off);
-  return s;  // complete in lane 0
-}
-
 // ---------------------------------------------------------------------------------------
 // Channels-last pass over [rows, C].
-template <typename T, int VEC, int kMode>
+template <typename T, int VEC, int kMode, bool kRelu>
 __global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
   using Raw = typename Dev<T>::Raw;
   constexpr int U = VEC >= 4 ? 2 : 4;  // rows in flight per thread
@@ -217,6 +119,7 @@ __global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
   const Raw* __restrict__ dy = static_cast<const Raw*>(p.dy);
   const Raw* __restrict__ x = static_cast<const Raw*>(p.x);
   Raw* __restrict__ dx = static_cast<Raw*>(p.dx);
+  const Raw* __restrict__ ry = static_cast<const Raw*>(p.relu_y);
   const bool aligned = p.aligned != 0;
   const int bx = p.bx;
   const int by = kThreads / bx;
@@ -255,6 +158,12 @@ __global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
           const int64_t off = (r + u * step) * C + c0;
           LoadVec<T, VEC>(dy + off, aligned, fdy[u]);
           LoadVec<T, VEC>(x + off, aligned, fx[u]);
+          if (kRelu) {
+            float fy[VEC];
+            LoadVec<T, VEC>(ry + off, aligned, fy);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) fdy[u][v] = ReluMask(fdy[u][v], fy[v]);
+          }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -275,6 +184,12 @@ __global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
         const int64_t off = r * C + c0;
         LoadVec<T, VEC>(dy + off, aligned, fdy);
         LoadVec<T, VEC>(x + off, aligned, fx);
+        if (kRelu) {
+          float fy[VEC];
+          LoadVec<T, VEC>(ry + off, aligned, fy);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) fdy[v] = ReluMask(fdy[v], fy[v]);
+        }
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
           if (kSums) {
@@ -321,7 +236,7 @@ __global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
 
 // ---------------------------------------------------------------------------------------
 // Channels-first pass over [outer, C, inner], inner % VEC == 0.
-template <typename T, int VEC, int kMode>
+template <typename T, int VEC, int kMode, bool kRelu>
 __global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
   using Raw = typename Dev<T>::Raw;
   constexpr int U = VEC >= 4 ? 2 : 4;
@@ -334,6 +249,7 @@ __global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
   const Raw* __restrict__ dy = static_cast<const Raw*>(p.dy);
   const Raw* __restrict__ x = static_cast<const Raw*>(p.x);
   Raw* __restrict__ dx = static_cast<Raw*>(p.dx);
+  const Raw* __restrict__ ry = static_cast<const Raw*>(p.relu_y);
   const bool aligned = p.aligned != 0;
   const int64_t C = p.C;
   const int64_t inner_v = p.inner / VEC;        // vector units per (outer, channel) run
@@ -355,6 +271,7 @@ __global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
     const Raw* dyc = dy + c * p.inner;
     const Raw* xc = x + c * p.inner;
     Raw* dxc = dx + c * p.inner;
+    const Raw* ryc = kRelu ? ry + c * p.inner : nullptr;
 
     float s1 = 0.f, s2 = 0.f;
     int64_t j = g * chunk_v + tid;
@@ -381,6 +298,12 @@ __global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
         if (valid[u]) {
           LoadVec<T, VEC>(dyc + offs[u], aligned, fdy[u]);
           LoadVec<T, VEC>(xc + offs[u], aligned, fx[u]);
+          if (kRelu) {
+            float fy[VEC];
+            LoadVec<T, VEC>(ryc + offs[u], aligned, fy);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) fdy[u][v] = ReluMask(fdy[u][v], fy[v]);
+          }
         }
       }
 #pragma unroll
@@ -455,70 +378,43 @@ __global__ void __launch_bounds__(kThreads) Finalize(const KParams p) {
 // ---------------------------------------------------------------------------------------
 // Host side.
 
-// Chunking: a function of the shape alone (not of T, the device or the pointers).
-struct Plan {
-  bool channels_last = true;
-  int64_t M = 0;      // rows (channels-last) or elements per channel (channels-first)
-  int64_t G = 1;      // chunks per channel
-  int64_t chunk = 0;  // rows or elements per chunk
+// Chunking (cuda_common.cuh, shared with the forward): a function of the shape alone.
+struct Plan : ChunkPlan {
   int64_t ws_floats = 0;
 };
 
 Plan MakePlan(const BnGradParams& params) {
   Plan plan;
-  const BnShape& s = params.shape;
-  if (s.elements() <= 0 || s.channels <= 0) return plan;
-  const int64_t C = s.channels;
-  plan.channels_last = s.inner == 1;
-  if (plan.channels_last) {
-    plan.M = s.outer;
-    const int64_t tiles = CeilDiv(C, kNominalTile);
-    const int64_t g_max = std::max<int64_t>(1, CeilDiv(plan.M * std::min(C, kNominalTile),
-                                                       kMinBlockElems));
-    int64_t g = std::min(std::max<int64_t>(1, CeilDiv(kTargetBlocks, tiles)), g_max);
-    g = std::min(g, plan.M);
-    plan.chunk = CeilDiv(plan.M, g);
-    plan.G = CeilDiv(plan.M, plan.chunk);
-  } else {
-    plan.M = s.outer * s.inner;
-    const int64_t g_max = std::max<int64_t>(1, CeilDiv(plan.M, kMinBlockElems));
-    const int64_t g = std::min(std::max<int64_t>(1, CeilDiv(kTargetBlocks, C)), g_max);
-    plan.chunk = CeilDiv(CeilDiv(plan.M, g), kChunkAlign) * kChunkAlign;
-    plan.G = CeilDiv(plan.M, plan.chunk);
-  }
+  static_cast<ChunkPlan&>(plan) = MakeChunkPlan(params.shape);
+  const int64_t C = params.shape.channels;
+  if (params.shape.elements() <= 0 || C <= 0) return plan;
   plan.ws_floats = 2 * plan.G * C + (params.is_training ? 3 * C : 0);
   return plan;
-}
-
-template <typename T>
-constexpr int MaxVec() {
-  return sizeof(T) == 4 ? 4 : 8;
-}
-
-bool Aligned(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
-int GridFor(int64_t blocks) {
-  return static_cast<int>(std::max<int64_t>(1, std::min(blocks, kMaxGrid)));
 }
 
 template <typename T, int VEC, int kMode>
 void LaunchPass(const KParams& kp, bool channels_last, cudaStream_t stream) {
   const int grid = GridFor(kp.nblocks);
+  const bool relu = kp.relu_y != nullptr;
   if (channels_last) {
-    PassChannelsLast<T, VEC, kMode><<<grid, kThreads, 0, stream>>>(kp);
+    if (relu) {
+      PassChannelsLast<T, VEC, kMode, true><<<grid, kThreads, 0, stream>>>(kp);
+    } else {
+      PassChannelsLast<T, VEC, kMode, false><<<grid, kThreads, 0, stream>>>(kp);
+    }
   } else {
-    PassChannelsFirst<T, VEC, kMode><<<grid, kThreads, 0, stream>>>(kp);
+    if (relu) {
+      PassChannelsFirst<T, VEC, kMode, true><<<grid, kThreads, 0, stream>>>(kp);
+    } else {
+      PassChannelsFirst<T, VEC, kMode, false><<<grid, kThreads, 0, stream>>>(kp);
+    }
   }
 }
 
 template <typename T, int VEC>
 int RunWithVec(const Plan& plan, KParams kp, bool training, cudaStream_t stream) {
   if (plan.channels_last) {
-    const int64_t nv = kp.C / VEC;
-    int bx = 1;
-    while (bx < 32 && bx < nv) bx *= 2;
+    const int bx = ChannelsLastBx(kp.C, VEC);
     kp.bx = bx;
     kp.ctn = CeilDiv(kp.C, static_cast<int64_t>(bx) * VEC);
     kp.nblocks = kp.ctn * plan.G;
@@ -599,15 +495,15 @@ int BnGradCuda(const BnGradParams& params, const BnGradArgs<T>& args, void* work
   kp.inv_m = static_cast<float>(1.0 / static_cast<double>(shape.per_channel()));
   kp.inv_std = params.saved_stat == SavedStat::kInvStd ? 1 : 0;
   kp.training = params.is_training ? 1 : 0;
+  kp.relu_y = args.relu_y;  // nullptr: the kernels without the ReLU mask (as before)
 
   // Vector width: the largest power of two (up to 16 bytes) dividing the contiguous run
   // of a thread's elements (C for channels-last, inner for channels-first). It depends on
   // the shape only; misaligned pointers keep it and just use scalar accesses.
-  const int64_t run = plan.channels_last ? C : shape.inner;
-  int vec = MaxVec<T>();
-  while (vec > 1 && run % vec != 0) vec /= 2;
+  const int vec = VecWidth<T>(plan.channels_last ? C : shape.inner);
   const size_t vbytes = sizeof(T) * static_cast<size_t>(vec);
-  kp.aligned = (Aligned(args.dy, vbytes) && Aligned(args.x, vbytes) && Aligned(args.dx, vbytes))
+  kp.aligned = (Aligned(args.dy, vbytes) && Aligned(args.x, vbytes) && Aligned(args.dx, vbytes) &&
+                (args.relu_y == nullptr || Aligned(args.relu_y, vbytes)))
                    ? 1
                    : 0;
 

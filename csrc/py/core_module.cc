@@ -8,10 +8,13 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "../core/bn_forward.h"
 #include "../core/bn_grad.h"
 #if FBN_WITH_CUDA
+#include "../core/bn_forward_cuda.h"
 #include "../core/bn_grad_cuda.h"
 #endif
 
@@ -52,10 +55,10 @@ fbn::BnShape Validate(const std::vector<std::vector<int64_t>>& shapes, const std
   return v.shape;
 }
 
-// Addresses of dy, x, scale, rs1, rs2, dx, dscale, doffset.
+// Addresses of dy, x, scale, rs1, rs2, dx, dscale, doffset[, relu_y (0: no fused ReLU)].
 template <typename T>
 fbn::BnGradArgs<T> Args(const std::vector<uintptr_t>& p) {
-  if (p.size() != 8) throw py::value_error("expected 8 buffer addresses");
+  if (p.size() != 8 && p.size() != 9) throw py::value_error("expected 8 or 9 buffer addresses");
   fbn::BnGradArgs<T> a;
   a.dy = reinterpret_cast<const T*>(p[0]);
   a.x = reinterpret_cast<const T*>(p[1]);
@@ -65,7 +68,77 @@ fbn::BnGradArgs<T> Args(const std::vector<uintptr_t>& p) {
   a.dx = reinterpret_cast<T*>(p[5]);
   a.dscale = reinterpret_cast<float*>(p[6]);
   a.doffset = reinterpret_cast<float*>(p[7]);
+  if (p.size() == 9) a.relu_y = reinterpret_cast<const T*>(p[8]);
   return a;
+}
+
+// Calls fn(T{}) with the core storage type named by dtype (a null pointer of it).
+template <typename Fn>
+auto WithDtype(const std::string& dtype, Fn&& fn) {
+  if (dtype == "float32") return fn(static_cast<float*>(nullptr));
+  if (dtype == "float16") return fn(static_cast<fbn::half_t*>(nullptr));
+  if (dtype == "bfloat16") return fn(static_cast<fbn::bfloat16_t*>(nullptr));
+  throw py::type_error("dtype must be float32, float16 or bfloat16, got " + dtype);
+}
+
+// ---- forward -------------------------------------------------------------------------------
+
+// Shapes of (x, scale, offset, mean, variance) -> params, or ValueError with the core's
+// message (the same validation as the TF op).
+fbn::BnForwardParams ForwardParams(const std::vector<std::vector<int64_t>>& shapes,
+                                   const std::string& format, float epsilon, float factor,
+                                   bool is_training, const std::string& activation,
+                                   const std::string& saved_stat) {
+  if (shapes.size() != 5) throw py::value_error("expected the shapes of 5 inputs");
+  const fbn::ValidationResult v = fbn::ValidateBnForwardInputs(
+      shapes[0], shapes[1], shapes[2], shapes[3], shapes[4], Format(format), epsilon, factor,
+      is_training);
+  if (!v.ok) throw py::value_error(v.error);
+  fbn::BnForwardParams p;
+  p.shape = v.shape;
+  p.epsilon = epsilon;
+  p.exponential_avg_factor = factor;
+  p.is_training = is_training;
+  p.saved_stat = Stat(saved_stat);
+  if (!fbn::ParseActivation(activation, &p.activation)) {
+    throw py::value_error("activation must be 'Identity' or 'Relu', got '" + activation + "'");
+  }
+  return p;
+}
+
+// Addresses of x, scale, offset, mean, variance, y, batch_mean, batch_variance, saved_mean,
+// saved_var (mean/variance may be 0 when the params do not read them).
+template <typename T>
+fbn::BnForwardArgs<T> ForwardArgs(const std::vector<uintptr_t>& p) {
+  if (p.size() != 10) throw py::value_error("expected 10 buffer addresses");
+  fbn::BnForwardArgs<T> a;
+  a.x = reinterpret_cast<const T*>(p[0]);
+  a.scale = reinterpret_cast<const float*>(p[1]);
+  a.offset = reinterpret_cast<const float*>(p[2]);
+  a.running_mean = reinterpret_cast<const float*>(p[3]);
+  a.running_var = reinterpret_cast<const float*>(p[4]);
+  a.y = reinterpret_cast<T*>(p[5]);
+  a.batch_mean = reinterpret_cast<float*>(p[6]);
+  a.batch_variance = reinterpret_cast<float*>(p[7]);
+  a.saved_mean = reinterpret_cast<float*>(p[8]);
+  a.saved_var = reinterpret_cast<float*>(p[9]);
+  return a;
+}
+
+void BnForwardCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
+                     const std::vector<std::vector<int64_t>>& shapes, const std::string& format,
+                     float epsilon, float factor, bool is_training, const std::string& activation,
+                     const std::string& saved_stat, int num_threads, const std::string& isa) {
+  const fbn::BnForwardParams params =
+      ForwardParams(shapes, format, epsilon, factor, is_training, activation, saved_stat);
+  const fbn::CpuIsa cpu_isa = Isa(isa);
+  const fbn::ThreadRunner runner(num_threads);
+  WithDtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const fbn::BnForwardArgs<T> args = ForwardArgs<T>(ptrs);
+    py::gil_scoped_release release;
+    fbn::BnForwardCpu(params, args, runner, cpu_isa);
+  });
 }
 
 fbn::BnGradParams Params(const fbn::BnShape& s, float epsilon, bool is_training,
@@ -100,6 +173,33 @@ void BnGradCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
 }
 
 #if FBN_WITH_CUDA
+size_t CudaForwardWorkspaceBytes(const std::vector<std::vector<int64_t>>& shapes,
+                                 const std::string& format, float epsilon, float factor,
+                                 bool is_training) {
+  return fbn::BnForwardCudaWorkspaceBytes(
+      ForwardParams(shapes, format, epsilon, factor, is_training, "Identity", "inv_std"));
+}
+
+void BnForwardCudaRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
+                      const std::vector<std::vector<int64_t>>& shapes, const std::string& format,
+                      float epsilon, float factor, bool is_training,
+                      const std::string& activation, const std::string& saved_stat,
+                      uintptr_t workspace, size_t workspace_bytes, uintptr_t stream) {
+  const fbn::BnForwardParams params =
+      ForwardParams(shapes, format, epsilon, factor, is_training, activation, saved_stat);
+  if (workspace_bytes < fbn::BnForwardCudaWorkspaceBytes(params)) {
+    throw py::value_error("workspace too small");
+  }
+  const int err = WithDtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const fbn::BnForwardArgs<T> args = ForwardArgs<T>(ptrs);
+    py::gil_scoped_release release;
+    return fbn::BnForwardCuda(params, args, reinterpret_cast<void*>(workspace), workspace_bytes,
+                              reinterpret_cast<void*>(stream));
+  });
+  if (err != 0) throw std::runtime_error(std::string("CUDA error: ") + fbn::CudaErrorString(err));
+}
+
 size_t CudaWorkspaceBytes(const std::vector<std::vector<int64_t>>& shapes,
                           const std::string& format, float epsilon) {
   fbn::BnGradParams p;
@@ -138,8 +238,13 @@ void BnGradCudaRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
 
 }  // namespace
 
+#ifndef FBN_BUILD_INFO_JSON
+#error "setup.py defines FBN_BUILD_INFO_JSON (the build facts, read by _build_info.py)"
+#endif
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "fbn_grad_tf core kernels (no TensorFlow). Use fbn_grad_tf.core for arrays.";
+  m.attr("build_info") = FBN_BUILD_INFO_JSON;
   m.def("validate",
         [](const std::vector<std::vector<int64_t>>& shapes, const std::string& format,
            float epsilon) {
@@ -152,6 +257,22 @@ PYBIND11_MODULE(_core, m) {
   m.def("bn_grad_cpu_raw", &BnGradCpuRaw, py::arg("dtype"), py::arg("ptrs"), py::arg("shapes"),
         py::arg("data_format"), py::arg("epsilon"), py::arg("is_training"),
         py::arg("saved_stat"), py::arg("num_threads"), py::arg("isa"));
+  m.def("validate_forward",
+        [](const std::vector<std::vector<int64_t>>& shapes, const std::string& format,
+           float epsilon, float factor, bool is_training) {
+          const fbn::BnShape s =
+              ForwardParams(shapes, format, epsilon, factor, is_training, "Identity", "variance")
+                  .shape;
+          return py::make_tuple(s.outer, s.channels, s.inner);
+        },
+        py::arg("shapes"), py::arg("data_format"), py::arg("epsilon"),
+        py::arg("exponential_avg_factor"), py::arg("is_training"),
+        "Validates the shapes of the forward's (x, scale, offset, mean, variance); returns "
+        "the canonical (outer, channels, inner) view or raises ValueError.");
+  m.def("bn_forward_cpu_raw", &BnForwardCpuRaw, py::arg("dtype"), py::arg("ptrs"),
+        py::arg("shapes"), py::arg("data_format"), py::arg("epsilon"),
+        py::arg("exponential_avg_factor"), py::arg("is_training"), py::arg("activation"),
+        py::arg("saved_stat"), py::arg("num_threads"), py::arg("isa"));
   m.def("cpu_supports", [](const std::string& isa) { return fbn::CpuSupports(Isa(isa)); });
   m.def("default_isa", [] { return std::string(fbn::CpuIsaName(fbn::DefaultCpuIsa())); });
   m.def("half_to_float", [](uint16_t b) { return fbn::HalfToFloat(fbn::half_t{b}); });
@@ -163,6 +284,14 @@ PYBIND11_MODULE(_core, m) {
         py::arg("epsilon"));
   m.def("bn_grad_cuda_raw", &BnGradCudaRaw, py::arg("dtype"), py::arg("ptrs"), py::arg("shapes"),
         py::arg("data_format"), py::arg("epsilon"), py::arg("is_training"),
+        py::arg("saved_stat"), py::arg("workspace"), py::arg("workspace_bytes"),
+        py::arg("stream"));
+  m.def("cuda_forward_workspace_bytes", &CudaForwardWorkspaceBytes, py::arg("shapes"),
+        py::arg("data_format"), py::arg("epsilon"), py::arg("exponential_avg_factor"),
+        py::arg("is_training"));
+  m.def("bn_forward_cuda_raw", &BnForwardCudaRaw, py::arg("dtype"), py::arg("ptrs"),
+        py::arg("shapes"), py::arg("data_format"), py::arg("epsilon"),
+        py::arg("exponential_avg_factor"), py::arg("is_training"), py::arg("activation"),
         py::arg("saved_stat"), py::arg("workspace"), py::arg("workspace_bytes"),
         py::arg("stream"));
 #else

@@ -14,7 +14,9 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
 
+#include "../core/bn_forward.h"
 #include "../core/bn_grad.h"
+#include "tf_binding.h"
 #if FBN_WITH_CUDA
 #include "../core/bn_grad_cuda.h"
 #include "xla/stream_executor/stream.h"
@@ -58,52 +60,39 @@ the device it runs on assumes that device's convention. reserve_space_3 is accep
 shape and ignored. reserve_space_4/5 are empty [0] tensors.
 )doc");
 
-// TF element type -> core storage type.
-template <typename T>
-struct CoreType;
-template <>
-struct CoreType<float> {
-  using type = float;
-};
-template <>
-struct CoreType<Eigen::half> {
-  using type = fbn::half_t;
-};
-template <>
-struct CoreType<Eigen::bfloat16> {
-  using type = fbn::bfloat16_t;
-};
-
-// A tensor's data as the core's storage type.
-template <typename T>
-const typename CoreType<T>::type* CoreData(const Tensor& t) {
-  return reinterpret_cast<const typename CoreType<T>::type*>(t.flat<T>().data());
-}
-template <typename T>
-typename CoreType<T>::type* CoreData(Tensor* t) {
-  return reinterpret_cast<typename CoreType<T>::type*>(t->flat<T>().data());
-}
-
-// Runs core tasks on the op's intra-op thread pool (honours
-// tf.config.threading.set_intra_op_parallelism_threads).
-class IntraOpRunner : public fbn::TaskRunner {
- public:
-  explicit IntraOpRunner(tensorflow::thread::ThreadPool* pool) : pool_(pool) {}
-  void Run(int64_t num_tasks, int64_t cost_per_task,
-           const std::function<void(int64_t, int64_t)>& fn) const override {
-    // ~4 cycles per element and pass is a fair cost model for a bandwidth-bound kernel.
-    pool_->ParallelFor(num_tasks, cost_per_task * 4, [&fn](int64_t b, int64_t e) { fn(b, e); });
-  }
-
- private:
-  tensorflow::thread::ThreadPool* pool_;
-};
-
-std::vector<int64_t> Dims(const Tensor& t) {
-  std::vector<int64_t> d(t.dims());
-  for (int i = 0; i < t.dims(); ++i) d[i] = t.dim_size(i);
-  return d;
-}
+// The backward of our forward with a fused activation (FbnGrad>FusedBatchNormEx): the
+// inputs of FusedBatchNormGradV3 plus that forward's output y. With activation_mode "Relu",
+// y_backprop is masked with y > 0 inside the kernel's passes (no extra pass, no extra
+// tensor); "Identity" is FusedBatchNormGradV3 exactly.
+constexpr char kExOpName[] = "FbnGrad>FusedBatchNormGradEx";
+REGISTER_OP("FbnGrad>FusedBatchNormGradEx")
+    .Input("y_backprop: T")
+    .Input("x: T")
+    .Input("scale: float")
+    .Input("reserve_space_1: U")
+    .Input("reserve_space_2: U")
+    .Input("reserve_space_3: U")
+    .Input("y: T")
+    .Output("x_backprop: T")
+    .Output("scale_backprop: U")
+    .Output("offset_backprop: U")
+    .Output("reserve_space_4: U")
+    .Output("reserve_space_5: U")
+    .Attr("T: {half, bfloat16, float}")
+    .Attr("U: {float}")
+    .Attr("epsilon: float = 0.0001")
+    .Attr("data_format: { 'NHWC', 'NCHW', 'NDHWC', 'NCDHW' } = 'NHWC'")
+    .Attr("is_training: bool = true")
+    .Attr("activation_mode: { 'Identity', 'Relu' } = 'Identity'")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      TF_RETURN_IF_ERROR(tensorflow::shape_inference::FusedBatchNormGradShape(c));
+      tensorflow::shape_inference::ShapeHandle y;  // y has x's shape
+      return c->Merge(c->input(6), c->output(0), &y);
+    })
+    .Doc(R"doc(
+FusedBatchNormGradV3 of y = activation(batch_norm(x)) (FbnGrad>FusedBatchNormEx): y is that
+forward's output; with activation_mode "Relu" the gradient flows only where y > 0.
+)doc");
 
 // Shared by the CPU and GPU kernels: attrs, validation, output allocation.
 class FbnGradOpBase : public OpKernel {
@@ -115,6 +104,12 @@ class FbnGradOpBase : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("is_training", &is_training_));
     OP_REQUIRES(ctx, fbn::ParseDataFormat(format, &format_),
                 tensorflow::errors::InvalidArgument("Invalid data format: ", format));
+    if (ctx->HasAttr("activation_mode")) {
+      std::string mode;
+      OP_REQUIRES_OK(ctx, ctx->GetAttr("activation_mode", &mode));
+      OP_REQUIRES(ctx, fbn::ParseActivation(mode, &activation_),
+                  tensorflow::errors::InvalidArgument("Invalid activation_mode: ", mode));
+    }
   }
 
  protected:
@@ -123,6 +118,7 @@ class FbnGradOpBase : public OpKernel {
     Tensor* dx = nullptr;
     Tensor* dscale = nullptr;
     Tensor* doffset = nullptr;
+    bool relu = false;  // GradEx with activation_mode Relu: mask y_backprop with y > 0
   };
 
   // Validates the inputs and allocates every output. Returns false if ctx holds an error.
@@ -134,6 +130,12 @@ class FbnGradOpBase : public OpKernel {
         fbn::ValidateBnGradInputs(Dims(dy), Dims(x), Dims(scale), Dims(ctx->input(3)),
                                   Dims(ctx->input(4)), format_, epsilon_);
     if (!CheckValid(ctx, v)) return false;
+    if (ctx->num_inputs() > 6 && Dims(ctx->input(6)) != Dims(x)) {  // GradEx's y
+      ctx->SetStatus(tensorflow::errors::InvalidArgument(
+          "y must have the shape of x ", x.shape().DebugString(), ", got ",
+          ctx->input(6).shape().DebugString()));
+      return false;
+    }
     const int64_t C = v.shape.channels;
     Tensor* unused = nullptr;
     if (!Allocate(ctx, 0, x.shape(), &p->dx) ||
@@ -147,6 +149,7 @@ class FbnGradOpBase : public OpKernel {
     p->params.epsilon = epsilon_;
     p->params.is_training = is_training_;
     p->params.saved_stat = training_stat;
+    p->relu = ctx->num_inputs() > 6 && activation_ == fbn::Activation::kRelu;
     return true;
   }
 
@@ -162,6 +165,7 @@ class FbnGradOpBase : public OpKernel {
     a.dx = CoreData<T>(p->dx);
     a.dscale = p->dscale->flat<float>().data();
     a.doffset = p->doffset->flat<float>().data();
+    if (p->relu) a.relu_y = CoreData<T>(ctx->input(6));
     return a;
   }
 
@@ -179,6 +183,7 @@ class FbnGradOpBase : public OpKernel {
   float epsilon_ = 1e-4f;
   bool is_training_ = true;
   fbn::DataFormat format_ = fbn::DataFormat::kNHWC;
+  fbn::Activation activation_ = fbn::Activation::kIdentity;
 };
 
 template <typename T>
@@ -188,7 +193,7 @@ class FbnGradCpuOp : public FbnGradOpBase {
   void Compute(OpKernelContext* ctx) override {
     Prepared p;
     if (!Prepare(ctx, fbn::SavedStat::kVariance, &p)) return;
-    IntraOpRunner runner(ctx->device()->tensorflow_cpu_worker_threads()->workers);
+    IntraOpRunner runner(ctx);
     fbn::BnGradCpu(p.params, Args<T>(ctx, &p), runner, fbn::DefaultCpuIsa());
   }
 };
@@ -196,6 +201,10 @@ class FbnGradCpuOp : public FbnGradOpBase {
 #define FBN_REGISTER_CPU(T)                                                                 \
   REGISTER_KERNEL_BUILDER(                                                                  \
       Name(kOpName).Device(tensorflow::DEVICE_CPU).TypeConstraint<T>("T").TypeConstraint<float>( \
+          "U"),                                                                             \
+      FbnGradCpuOp<T>);                                                                     \
+  REGISTER_KERNEL_BUILDER(                                                                  \
+      Name(kExOpName).Device(tensorflow::DEVICE_CPU).TypeConstraint<T>("T").TypeConstraint<float>( \
           "U"),                                                                             \
       FbnGradCpuOp<T>);
 FBN_REGISTER_CPU(float)
@@ -341,7 +350,7 @@ class FbnGradReduceOp : public SplitOpBase {
     a.dy = CoreData<T>(ctx->input(0));
     a.x = CoreData<T>(ctx->input(1));
     a.saved_mean = ctx->input(2).flat<float>().data();
-    IntraOpRunner runner(ctx->device()->tensorflow_cpu_worker_threads()->workers);
+    IntraOpRunner runner(ctx);
     fbn::BnGradReduceCpu(params, a, sum_dy->flat<float>().data(),
                          sum_dy_xmu->flat<float>().data(), runner, fbn::DefaultCpuIsa());
   }
@@ -373,7 +382,7 @@ class FbnGradApplyOp : public SplitOpBase {
     a.saved_mean = ctx->input(3).flat<float>().data();
     a.saved_var = ctx->input(4).flat<float>().data();
     a.dx = CoreData<T>(dx);
-    IntraOpRunner runner(ctx->device()->tensorflow_cpu_worker_threads()->workers);
+    IntraOpRunner runner(ctx);
     fbn::BnGradApplyCpu(params, a, ctx->input(5).flat<float>().data(),
                         ctx->input(6).flat<float>().data(), n, runner, fbn::DefaultCpuIsa());
   }
@@ -427,6 +436,11 @@ class FbnGradGpuOp : public FbnGradOpBase {
 
 #define FBN_REGISTER_GPU(T)                                                                 \
   REGISTER_KERNEL_BUILDER(Name(kOpName)                                                     \
+                              .Device(tensorflow::DEVICE_GPU)                               \
+                              .TypeConstraint<T>("T")                                       \
+                              .TypeConstraint<float>("U"),                                  \
+                          FbnGradGpuOp<T>);                                                 \
+  REGISTER_KERNEL_BUILDER(Name(kExOpName)                                                   \
                               .Device(tensorflow::DEVICE_GPU)                               \
                               .TypeConstraint<T>("T")                                       \
                               .TypeConstraint<float>("U"),                                  \

@@ -27,8 +27,8 @@ HAVE_TENSORFLOW = _tf_part_available()
 if HAVE_TENSORFLOW:
     from ._loader import REGISTERED_OP_NAME, build_info, library_path, raw_op  # noqa: F401
     from .ops import (  # noqa: F401
-        DATA_FORMATS, FusedBatchNormGrad, FusedBatchNormGradOutputs, Scope,
-        fused_batch_norm_grad)
+        DATA_FORMATS, FusedBatchNorm, FusedBatchNormGrad, FusedBatchNormGradOutputs,
+        FusedBatchNormOutputs, Scope, fused_batch_norm_grad, fused_batch_norm_v3)
     from . import gradients  # noqa: F401,E402  (registers the gradient of our op)
     from .nn import fused_batch_norm, use_for_gradients  # noqa: F401,E402
     from . import keras  # noqa: F401,E402  (registers fbn_grad_tf>BatchNormalization)

@@ -9,16 +9,21 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 #: The op type we register (the node type that appears in graphs). TF's own op of the same
 #: signature is "FusedBatchNormGradV3"; see README, "Op name".
 REGISTERED_OP_NAME = "FbnGrad>FusedBatchNormGradV3"
+#: Our forward (FusedBatchNormV3's signature), its fused-activation variant and that
+#: variant's backward (which also reads the forward's output y).
+FORWARD_OP_NAME = "FbnGrad>FusedBatchNormV3"
+FORWARD_EX_OP_NAME = "FbnGrad>FusedBatchNormEx"
+GRAD_EX_OP_NAME = "FbnGrad>FusedBatchNormGradEx"
 
 
 def _check_build():
     try:
         from . import _build_info
-    except ImportError:
+    except ImportError as e:
         raise ImportError(
-            "fbn_grad_tf is not built: run `pip install --no-build-isolation .` (or "
-            "`python setup.py build_ext --inplace`) in an environment with "
-            "tensorflow-cpu==2.21.0") from None
+            "fbn_grad_tf is not built, or its core module does not load (%s): run `pip "
+            "install --no-build-isolation .` (or `python setup.py build_ext --inplace`) in an "
+            "environment with tensorflow-cpu==2.21.0" % e) from None
     if _build_info.TF_VERSION is None:
         raise ImportError("fbn_grad_tf was built without TensorFlow (FBN_GRAD_TF_BUILD=%s); "
                           "only fbn_grad_tf.core is available. Rebuild with "
@@ -53,3 +58,7 @@ library = tf.load_op_library(library_path)
 # tf.load_op_library names the Python wrapper after the op: "FbnGrad>FusedBatchNormGradV3"
 # becomes fbn_grad_fused_batch_norm_grad_v3.
 raw_op = library.fbn_grad_fused_batch_norm_grad_v3
+# The forward ops; None in a library built without them (an older FBN_GRAD_TF_LIBRARY).
+raw_forward_op = getattr(library, "fbn_grad_fused_batch_norm_v3", None)
+raw_forward_ex_op = getattr(library, "fbn_grad_fused_batch_norm_ex", None)
+raw_grad_ex_op = getattr(library, "fbn_grad_fused_batch_norm_grad_ex", None)

@@ -3,6 +3,7 @@
     python -m fbn_grad_tf.bench                    # full grid (ResNet-50 BN shapes), ~10 min
     python -m fbn_grad_tf.bench --quick            # ~1 minute subset
     python -m fbn_grad_tf.bench --json r.json --plot r.png
+    python -m fbn_grad_tf.bench --layer            # whole BN layer training step (fwd + bwd)
 
 What one run does (see docs/BENCHMARK.md):
 
@@ -20,6 +21,11 @@ What one run does (see docs/BENCHMARK.md):
 
 The speed-up is TF time / our time (> 1: ours is faster). Speed-ups against each TF
 backend come from same-process pairs; the "ours ms" column is from the main process.
+
+``--layer`` times a whole batch-norm layer training step instead (forward + backward in one
+tf.function with a GradientTape, float32 NHWC by default): ours (our forward and backward),
+ours+ReLU, TF's forward with our backward, TF BN+ReLU, TF fused, Keras 3's
+BatchNormalization and PyTorch (see run_layer and LAYER_COLUMNS); main process only.
 """
 import argparse
 import dataclasses
@@ -343,12 +349,21 @@ def _tf_callable(which, args, epsilon, fmt, training):
     return lambda: f(*args)
 
 
+#: Why the PyTorch column is n/a when torch cannot be imported (the table and JSON say so).
+TORCH_MISSING = "torch not installed"
+TORCH_INSTALL_HINT = "pip install torch==2.13.0, or the package's 'bench' extra"
+
+
 def _torch_module():
-    """(torch, None) or (None, reason)."""
+    """(torch, None) or (None, reason): TORCH_MISSING, or the import error of a broken one."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # no spinning threads between calls
     try:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # no spinning threads between calls
         import torch
         return torch, None
+    except ModuleNotFoundError as e:
+        if e.name == "torch":
+            return None, TORCH_MISSING
+        return None, "torch not importable (%s)" % e
     except ImportError as e:
         return None, "torch not importable (%s)" % e
 
@@ -360,15 +375,37 @@ def _to_torch(torch, t):
     return torch.from_numpy(a)
 
 
+def _to_torch_layout(torch, t, channels_last):
+    """A channels-last TF tensor (NHWC/NDHWC) as torch's channels-first shape: a view in
+    channels_last (channels_last_3d) memory format, or a contiguous copy (NCHW/NCDHW).
+    Conversions happen once per case, outside the timed calls."""
+    a = _to_torch(torch, t)
+    perm = (0, a.dim() - 1) + tuple(range(1, a.dim() - 1))
+    a = a.permute(*perm)
+    if not channels_last:
+        return a.contiguous()
+    fmt = torch.channels_last if a.dim() == 4 else torch.channels_last_3d
+    assert a.is_contiguous(memory_format=fmt)
+    return a
+
+
+def _from_torch_layout(a, channels_last):
+    """Inverse of _to_torch_layout for an output: a NumPy array in the TF format's layout."""
+    if channels_last:
+        a = a.permute(0, *range(2, a.dim()), 1)
+    return a.float().detach().numpy()
+
+
 def _torch_callable(torch, nhwc_args, fmt, training, epsilon):
-    """torch.ops.aten.native_batch_norm_backward on the same data: NHWC as an NCHW tensor
-    in channels_last memory format, NCHW contiguous. Returns (callable, to_nhwc_dx)."""
-    dy, x, scale, rs1, rs2 = (_to_torch(torch, t) for t in nhwc_args)
-    if fmt == "NHWC":
-        dy, x = dy.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2)  # channels_last strides
-    else:
-        dy = dy.permute(0, 3, 1, 2).contiguous()
-        x = x.permute(0, 3, 1, 2).contiguous()
+    """torch.ops.aten.native_batch_norm_backward on the same data (`nhwc_args`: dy, x,
+    scale, mean, variance as TF tensors, dy/x channels-last): NHWC as an NCHW-shaped tensor
+    in channels_last memory format (a view of the same bytes), NCHW contiguous; training
+    with save_mean/save_invstd, inference with running_mean/running_var. Returns a
+    zero-argument callable; dy/x are converted here, once."""
+    channels_last = fmt in ("NHWC", "NDHWC")
+    dy = _to_torch_layout(torch, nhwc_args[0], channels_last)
+    x = _to_torch_layout(torch, nhwc_args[1], channels_last)
+    scale, rs1, rs2 = (_to_torch(torch, t) for t in nhwc_args[2:5])
     if training:
         invstd = torch.rsqrt(rs2 + epsilon)
         args = (dy, x, scale, None, None, rs1, invstd, True, epsilon, [True, True, True])
@@ -473,6 +510,18 @@ def time_interleaved(fns, reps):
     return samples
 
 
+def _setup_torch(config, threads):
+    """(torch or None, note for the header, reason it is n/a or None): torch with
+    torch.set_num_threads(threads) (the threads TF, hence our op, uses), or why not."""
+    if not config.torch:
+        return None, "torch disabled (--no-torch)", None
+    torch, why = _torch_module()
+    if torch is None:
+        return None, "torch: n/a (%s)" % why, why
+    torch.set_num_threads(threads)
+    return torch, "torch %s (%d threads)" % (torch.__version__, torch.get_num_threads()), None
+
+
 def run(config=None, label=None, stream=None):
     """Runs every case of `config` in this process: check, warm up, time interleaved.
 
@@ -486,16 +535,10 @@ def run(config=None, label=None, stream=None):
     onednn = onednn_enabled()
     backend = backend_name(onednn)
     label = label or backend
-    torch = None
-    torch_note = "disabled"
-    if config.torch:
-        torch, torch_note = _torch_module()
-        if torch is not None:
-            torch.set_num_threads(threads)
-            torch_note = "torch %s" % torch.__version__
+    torch, torch_note, torch_why = _setup_torch(config, threads)
     meta = {"tf_version": tf.__version__, "tf_backend": backend, "onednn": onednn,
             "TF_CPU_ALLOCATOR_USE_BFC": os.environ.get("TF_CPU_ALLOCATOR_USE_BFC"),
-            "intra_op_threads": threads, "torch": torch_note,
+            "intra_op_threads": threads, "torch": torch_note, "torch_why": torch_why,
             "config": config.to_json()}
 
     cases = list(_cases(config))
@@ -527,8 +570,11 @@ def run(config=None, label=None, stream=None):
             training = mode == "training"
             rs1, rs2 = inputs[mode]
             args = inputs[fmt] + (inputs["scale"], rs1, rs2, inputs["rs3"])
-            results.append(_run_case(config, shape, dtype, fmt, mode, training, args, inputs,
-                                     eps, torch, case_name))
+            entry = _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps,
+                              torch, case_name)
+            if torch_why:
+                entry["torch"] = {"error": torch_why}
+            results.append(entry)
             progress.finish(math.prod(shape))
     finally:
         inputs = None
@@ -574,11 +620,11 @@ def _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps, torc
             tcall = _torch_callable(torch, (inputs["dy"], inputs["x"]) + args[2:5], fmt,
                                     training, eps)
             tout = tcall()
-            dx = tout[0].permute(0, 2, 3, 1) if fmt == "NHWC" else tout[0]
-            tout = (dx.float().numpy(), tout[1].float().numpy(), tout[2].float().numpy())
+            tout = (_from_torch_layout(tout[0], fmt == "NHWC"), tout[1].float().numpy(),
+                    tout[2].float().numpy())
             check["torch"] = _check("torch", tout, ref, dtype, case_name, ref_name)
             fns["torch"] = tcall
-            del tout, dx
+            del tout
         except CorrectnessError as e:  # PyTorch is only a bystander: n/a, not fatal
             errors["torch"] = "outputs differ: %s" % e
             print("warning: PyTorch %s" % errors["torch"], file=sys.stderr)
@@ -628,8 +674,9 @@ def merge(main_res, other_res=None, bandwidth=None):
     """Merges the main process's results with the other TF backend's worker results.
 
     Flattened per case: ours_ms (main process), tf_onednn_ms, tf_eigen_ms, torch_ms,
-    speedup_onednn/eigen/torch (TF ms / ours ms from the same process), gbps (our
-    effective bandwidth on 3 * elements * itemsize bytes) and bw_fraction.
+    speedup_onednn/eigen/torch (their ms / ours ms from the same process), gbps (our
+    effective bandwidth on 3 * elements * itemsize bytes) and bw_fraction, torch_gbps and
+    torch_bw_fraction (the same for PyTorch's time).
     """
     main_backend = main_res["meta"]["tf_backend"]
     other = {}
@@ -658,6 +705,10 @@ def merge(main_res, other_res=None, bandwidth=None):
         row["torch_error"] = (r.get("torch") or {}).get("error")
         row["gbps"] = r["min_bytes"] / (ours * 1e-3) / 1e9 if ours else None
         row["bw_fraction"] = row["gbps"] / bw if row["gbps"] and bw else None
+        tms = row["torch_ms"]
+        row["torch_gbps"] = r["min_bytes"] / (tms * 1e-3) / 1e9 if tms else None
+        row["torch_bw_fraction"] = (row["torch_gbps"] / bw if row["torch_gbps"] and bw
+                                    else None)
         row["check"] = {"main": r["check"], "other": o["check"] if o else None}
         row["raw"] = {"main": r, "other": o}
         rows.append(row)
@@ -682,9 +733,10 @@ def format_table(rows, have_torch=False):
     cols = [("shape", "<", 15), ("fmt", "<", 4), ("dtype", "<", 8), ("mode", "<", 5),
             ("ours ms", ">", 8), ("TF-oneDNN", ">", 9), ("x", ">", 6),
             ("ours(E)", ">", 8), ("TF-Eigen", ">", 9), ("x", ">", 6)]
+    cols += [("GB/s", ">", 6), ("%BW", ">", 5)]
     if have_torch:
-        cols += [("torch ms", ">", 9), ("x", ">", 6)]
-    cols += [("GB/s", ">", 6), ("%BW", ">", 5), ("reps", ">", 4)]
+        cols += [("torch ms", ">", 9), ("x", ">", 6), ("t%BW", ">", 5)]
+    cols += [("reps", ">", 4)]
     def line(vals):
         return "  ".join(("{:%s%d}" % (a, w)).format(v) for (_, a, w), v in zip(cols, vals))
     out = [line([c[0] for c in cols]), line(["-" * c[2] for c in cols])]
@@ -699,10 +751,11 @@ def format_table(rows, have_torch=False):
                 _f(r["tf_onednn_ms"], "%.3f"), _f(r["speedup_onednn"], "%.2fx"),
                 _f(r["ours_ms_eigen_run"], "%.3f"), _f(r["tf_eigen_ms"], "%.3f"),
                 _f(r["speedup_eigen"], "%.2fx")]
+        vals += [_f(r["gbps"], "%.1f"), _f(r["bw_fraction"] and 100 * r["bw_fraction"], "%.0f%%")]
         if have_torch:
-            vals += [_f(r["torch_ms"], "%.3f"), _f(r["speedup_torch"], "%.2fx")]
-        vals += [_f(r["gbps"], "%.1f"), _f(r["bw_fraction"] and 100 * r["bw_fraction"], "%.0f%%"),
-                 str(r["reps"])]
+            vals += [_f(r["torch_ms"], "%.3f"), _f(r["speedup_torch"], "%.2fx"),
+                     _f(r.get("torch_bw_fraction") and 100 * r["torch_bw_fraction"], "%.0f%%")]
+        vals += [str(r["reps"])]
         out.append(line(vals))
     return "\n".join(out)
 
@@ -756,8 +809,8 @@ def summarize(rows, have_torch=False):
 def format_summary(summary, bandwidth=None, have_torch=False):
     targets = [("onednn", "vs TF oneDNN"), ("eigen", "vs TF Eigen")]
     if have_torch:
-        targets.append(("torch", "vs torch"))
-    out = ["Summary: median speed-up over shapes (TF ms / ours ms; >1 = ours faster)"]
+        targets.append(("torch", "vs PyTorch"))
+    out = ["Summary: median speed-up over shapes (their ms / ours ms; >1 = ours faster)"]
     head = "%-17s" % "" + "".join("  %-17s" % t[1] for t in targets)
     sub = "%-17s" % "group" + "".join("  %8s %8s" % ("train", "infer") for _ in targets)
     out += [head, sub]
@@ -850,6 +903,488 @@ def plot(rows, path, have_torch=False):
     return None
 
 
+# ---- --layer: one whole BN layer training step ------------------------------------------------
+
+#: The --layer contestants, in table order: (key, header, description). Each is one
+#: tf.function (PyTorch: eager) running forward + backward of one BN layer on the same x and
+#: upstream gradient dy, returning (y, dx, dscale, doffset).
+LAYER_COLUMNS = (
+    ("ours", "ours", "fbn_grad_tf.fused_batch_norm(forward='ours'): our forward and backward"),
+    ("ours_relu", "ours+ReLU", "fbn_grad_tf.fused_batch_norm(forward='ours', "
+     "activation='relu'): BN and ReLU fused in our ops"),
+    ("tf_ours", "tf+ours", "fbn_grad_tf.fused_batch_norm with TF's FusedBatchNormV3 forward "
+     "(forward='tf' where the argument exists) and our backward"),
+    ("tf_relu", "TF BN+ReLU", "tf.compat.v1.nn.fused_batch_norm (FusedBatchNormV3) then "
+     "tf.nn.relu, TF's gradients"),
+    ("tf", "TF fused", "tf.raw_ops.FusedBatchNormV3 and its built-in gradient "
+     "(FusedBatchNormGradV3)"),
+    ("keras", "Keras", "keras.layers.BatchNormalization(training=True) (Keras 3, plain TF ops; "
+     "moving statistics updated)"),
+    ("torch", "PyTorch", "torch.nn.functional.batch_norm(training=True) + torch.autograd.grad, "
+     "eager; NHWC as channels_last"),
+)
+LAYER_KEYS = tuple(c[0] for c in LAYER_COLUMNS)
+LAYER_HEADERS = {c[0]: c[1] for c in LAYER_COLUMNS}
+#: The n/a reason of our forward's columns while fused_batch_norm lacks forward=/activation=.
+NEEDS_FORWARD = "needs our forward op"
+#: Contestants built on our ops: a mismatch of theirs is a CorrectnessError (fatal), of the
+#: others only an n/a.
+_LAYER_OURS = ("ours", "ours_relu", "tf_ours")
+
+
+def ours_forward_support():
+    """{"forward": bool, "activation": bool, "op_available": bool or None}: whether this
+    build's fbn_grad_tf.fused_batch_norm accepts forward= and activation= (our forward op
+    and its fused ReLU) and, where nn.our_forward_available exists, whether our forward op
+    can run here ("forward" is False when it cannot: fused_batch_norm(forward="ours") would
+    quietly run TF's forward, which is not what the ours columns are for)."""
+    import inspect
+    from . import nn
+    try:
+        params = inspect.signature(nn.fused_batch_norm).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        params = {}
+    available = getattr(nn, "our_forward_available", None)
+    op_available = bool(available()) if callable(available) else None
+    return {"forward": "forward" in params and op_available is not False,
+            "activation": "activation" in params, "accepts_forward": "forward" in params,
+            "op_available": op_available}
+
+
+def layer_ratio_base(support):
+    """(base for every ratio, base for the ReLU pair): 'ours' and 'ours_relu' when our
+    forward exists, else 'tf_ours' for both (TF's forward with our backward)."""
+    if support["forward"]:
+        return "ours", ("ours_relu" if support["activation"] else "ours")
+    return "tf_ours", "tf_ours"
+
+
+def _layer_partner(key, base, relu_base):
+    """The contestant whose time divides `key`'s in its x column (None: no x column)."""
+    if key in (base, relu_base) or key in ("ours", "ours_relu"):
+        return None
+    return relu_base if key == "tf_relu" else base
+
+
+def _grad_step(forward, x, scale, offset, dy):
+    """A zero-argument callable: one tf.function with a GradientTape around `forward`
+    (x, scale, offset -> y), dy fed as the upstream gradient (no loss ops)."""
+
+    @tf.function(autograph=False)
+    def step(x, scale, offset, dy):
+        with tf.GradientTape() as tape:
+            tape.watch([x, scale, offset])
+            y = forward(x, scale, offset)
+        dx, dscale, doffset = tape.gradient(y, [x, scale, offset], output_gradients=dy)
+        return y, dx, dscale, doffset
+
+    return lambda: step(x, scale, offset, dy)
+
+
+def _keras_step(x, scale, offset, dy, fmt, dtype, epsilon):
+    import keras
+    policy = {"float32": "float32", "bfloat16": "mixed_bfloat16",
+              "float16": "mixed_float16"}[dtype]
+    layer = keras.layers.BatchNormalization(axis=-1 if fmt.endswith("C") else 1,
+                                            epsilon=epsilon, dtype=policy)
+    layer.build(tuple(x.shape))
+    layer.gamma.assign(scale)
+    layer.beta.assign(offset)
+    weights = [layer.gamma, layer.beta]
+
+    @tf.function(autograph=False)
+    def step(x, dy):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+        dx, dgamma, dbeta = tape.gradient(y, [x] + weights, output_gradients=dy)
+        return y, dx, dgamma, dbeta
+
+    step.layer = layer  # keeps the layer (its variables) alive with the callable
+    return lambda: step(x, dy)
+
+
+def _torch_layer_step(torch, x, scale, offset, dy, fmt, epsilon):
+    """F.batch_norm(training=True) forward + autograd backward on the same data (x and dy:
+    the NHWC TF tensors; for fmt NHWC an NCHW-shaped channels_last view, for NCHW a
+    contiguous copy); running stats updated in place, as torch does. Returns (callable,
+    converter of its outputs to NumPy in the TF format's layout)."""
+    channels_last = fmt in ("NHWC", "NDHWC")
+    xt = _to_torch_layout(torch, x, channels_last).requires_grad_(True)
+    dyt = _to_torch_layout(torch, dy, channels_last)
+    w = _to_torch(torch, scale).clone().requires_grad_(True)
+    b = _to_torch(torch, offset).clone().requires_grad_(True)
+    rm = torch.zeros_like(w, requires_grad=False)
+    rv = torch.ones_like(w, requires_grad=False)
+    bn = torch.nn.functional.batch_norm
+    grad = torch.autograd.grad
+
+    def call():
+        y = bn(xt, rm, rv, w, b, training=True, momentum=0.1, eps=epsilon)
+        dx, dw, db = grad(y, (xt, w, b), grad_outputs=dyt)
+        return y, dx, dw, db
+
+    def to_tf_layout(outs):
+        y, dx, dw, db = outs
+        return (_from_torch_layout(y, channels_last), _from_torch_layout(dx, channels_last),
+                dw.float().detach().numpy(), db.float().detach().numpy())
+
+    return call, to_tf_layout
+
+
+def _layer_callables(x, scale, offset, dy, fmt, dtype, epsilon, support, torch, torch_why,
+                     x_nhwc, dy_nhwc):
+    """(name -> zero-argument callable for every contestant that can be built, name -> why
+    not for the others, name -> converter of its outputs to NumPy in the TF layout). x and dy
+    are in `fmt`; x_nhwc/dy_nhwc the same data channels-last, from which PyTorch's tensors
+    are made."""
+    from . import nn
+    fns, errors = {}, {}
+    kw = dict(epsilon=epsilon, data_format=fmt, is_training=True)
+
+    def ours_fwd(**extra):
+        def f(x, s, o):
+            return nn.fused_batch_norm(x, s, o, **kw, **extra)[0]
+        return f
+
+    if support["forward"]:
+        fns["ours"] = _grad_step(ours_fwd(forward="ours"), x, scale, offset, dy)
+    else:
+        errors["ours"] = NEEDS_FORWARD
+    if support["forward"] and support["activation"]:
+        fns["ours_relu"] = _grad_step(ours_fwd(forward="ours", activation="relu"),
+                                      x, scale, offset, dy)
+    else:
+        errors["ours_relu"] = NEEDS_FORWARD
+    fns["tf_ours"] = _grad_step(ours_fwd(**({"forward": "tf"} if support.get(
+        "accepts_forward", support["forward"]) else {})),
+                                x, scale, offset, dy)
+
+    def tf_relu(x, s, o):
+        return tf.nn.relu(tf.compat.v1.nn.fused_batch_norm(x, s, o, **kw)[0])
+
+    fns["tf_relu"] = _grad_step(tf_relu, x, scale, offset, dy)
+
+    def tf_fused(x, s, o):
+        empty = tf.zeros([0], tf.float32)
+        return tf.raw_ops.FusedBatchNormV3(x=x, scale=s, offset=o, mean=empty,
+                                           variance=empty, exponential_avg_factor=1.0,
+                                           **kw)[0]
+
+    fns["tf"] = _grad_step(tf_fused, x, scale, offset, dy)
+    try:
+        fns["keras"] = _keras_step(x, scale, offset, dy, fmt, dtype, epsilon)
+    except Exception as e:  # Keras missing or refusing: n/a
+        errors["keras"] = "%s: %s" % (type(e).__name__, str(e).split("\n")[0][:200])
+    converters = {}
+    if torch is not None:
+        try:
+            fns["torch"], converters["torch"] = _torch_layer_step(
+                torch, x_nhwc, scale, offset, dy_nhwc, fmt, epsilon)
+        except Exception as e:
+            errors["torch"] = "%s: %s" % (type(e).__name__, str(e).split("\n")[0][:200])
+    else:
+        errors["torch"] = torch_why or "disabled by --no-torch"
+    return fns, errors, converters
+
+
+def _layer_check(name, outs, ref, dtype, case_name, ref_name):
+    """Relative errors of (y, dx, dscale, doffset) against the reference's; raises
+    CorrectnessError beyond the tolerances (y and dx: DX_TOL of the dtype)."""
+    keys = ("y", "dx", "dscale", "doffset")
+    errs = {k: _rel_err(o, r) for k, o, r in zip(keys, outs, ref)}
+    tol = {"y": DX_TOL[dtype], "dx": DX_TOL[dtype], "dscale": VEC_TOL, "doffset": VEC_TOL}
+    bad = {k: v for k, v in errs.items() if not v <= tol[k]}
+    if bad:
+        raise CorrectnessError(
+            "%s differs from %s on %s: %s (tolerances %s)" % (
+                name, ref_name, case_name,
+                ", ".join("%s rel err %.3g" % kv for kv in bad.items()), tol))
+    return errs
+
+
+def _relu_check(name, outs, ref, x, dy, scale, epsilon, fmt, dtype, case_name, ref_name):
+    """Checks relu(batch_norm(x)) and its gradients. y against relu of the plain reference's
+    y; the gradients against TF's FusedBatchNormGradV3 (float32, batch statistics of x) fed
+    dy * (y > 0) with the contestant's *own* y: where y is within rounding of 0 the two
+    forwards may put an element on different sides of the ReLU, and one such element
+    changes dx there by about scale * dy / stddev (tens of percent of max |dx|), so
+    comparing the gradients of two contestants directly would fail on large tensors without
+    either being wrong. "relu_mask_diff" counts those elements against the reference's y."""
+    y = np.asarray(outs[0], np.float32)
+    y_ref = np.maximum(np.asarray(ref[0], np.float32), 0)
+    axes = [0, 2, 3] if fmt == "NCHW" else [0, 1, 2]
+    x32 = tf.cast(x, tf.float32)
+    mean, var = tf.nn.moments(x32, axes=axes)
+    dy_masked = tf.cast(dy, tf.float32) * tf.cast(y > 0, tf.float32)
+    grads = tf.raw_ops.FusedBatchNormGradV3(
+        y_backprop=dy_masked, x=x32, scale=scale, reserve_space_1=mean, reserve_space_2=var,
+        reserve_space_3=tf.zeros([0], tf.float32), epsilon=epsilon, data_format=fmt,
+        is_training=True)
+    errs = _layer_check(name, outs, (y_ref,) + tuple(g.numpy() for g in grads[:3]), dtype,
+                        case_name, "%s (ReLU: y vs relu(%s's y), gradients vs "
+                        "FusedBatchNormGradV3 on dy * (y > 0))" % (ref_name, ref_name))
+    errs["relu_mask_diff"] = int(np.count_nonzero((y > 0) != (y_ref > 0)))
+    return errs
+
+
+def _error_text(e):
+    if isinstance(e, tf.errors.OpError):
+        return short_error(e)
+    return "%s: %s" % (type(e).__name__, str(e).split("\n")[0][:200])
+
+
+def _run_layer_case(config, shape, dtype, fmt, support, torch, torch_why, case_name):
+    eps = float(config.epsilon)
+    inputs = _make_inputs(shape, dtype, config.seed)
+    c = shape[-1]
+    x, dy = x_nhwc, dy_nhwc = inputs["x"], inputs["dy"]
+    if fmt == "NCHW":
+        x, dy = tf.transpose(x, [0, 3, 1, 2]), tf.transpose(dy, [0, 3, 1, 2])
+    scale = inputs["scale"]
+    offset = tf.random.stateless_uniform([c], [config.seed, 8], -0.5, 0.5)
+    inputs = None
+    fns, errors, converters = _layer_callables(x, scale, offset, dy, fmt, dtype, eps, support,
+                                               torch, torch_why, x_nhwc, dy_nhwc)
+    x_nhwc = dy_nhwc = None
+    entry = {"shape": list(shape), "tensor_shape": list(tensor_shape(shape, fmt)),
+             "format": fmt, "dtype": dtype, "elements": math.prod(shape)}
+
+    # -- run each once (traces it) and check its outputs: plain BN against TF fused (or the
+    # first plain one that ran), the ReLU ones against TF BN+ReLU (unchecked: not timed).
+    outs = {}
+    for k in list(fns):
+        try:
+            o = fns[k]()
+            outs[k] = converters[k](o) if k in converters else tuple(t.numpy() for t in o)
+        except Exception as e:  # refused (dtype, format, a missing kernel): n/a
+            errors[k] = _error_text(e)
+            del fns[k]
+            if k in _LAYER_OURS and not isinstance(e, (tf.errors.OpError, NotImplementedError,
+                                                       ValueError, TypeError)):
+                raise
+    check = {}
+    plain = [k for k in ("tf", "tf_ours", "keras", "torch", "ours") if k in outs]
+    if not plain:
+        raise RuntimeError("--layer: no contestant ran on %s: %s" % (case_name, errors))
+    ref_key = plain[0]
+    ref = outs[ref_key]
+    check["reference"] = LAYER_HEADERS[ref_key]
+    check["reference_relu"] = ("y: relu(%s's y); gradients: TF FusedBatchNormGradV3 in "
+                               "float32 on dy * (y > 0) with its own y" % LAYER_HEADERS[ref_key])
+    for k in list(fns):
+        if k == ref_key:
+            continue
+        try:
+            if k in ("ours_relu", "tf_relu"):
+                check[k] = _relu_check(LAYER_HEADERS[k], outs[k], ref, x, dy, scale, eps, fmt,
+                                       dtype, case_name, LAYER_HEADERS[ref_key])
+            else:
+                check[k] = _layer_check(LAYER_HEADERS[k], outs[k], ref, dtype, case_name,
+                                        LAYER_HEADERS[ref_key])
+        except CorrectnessError as e:
+            if k in _LAYER_OURS:
+                raise
+            errors[k] = "outputs differ: %s" % e
+            print("warning: %s %s" % (LAYER_HEADERS[k], errors[k]), file=sys.stderr)
+            del fns[k]
+    outs = ref = None
+
+    # -- warm up, repetitions from the budget, interleaved timing (as the backward cases).
+    est = {}
+    for k, f in fns.items():
+        for _ in range(max(config.warmup, 1)):
+            t0 = time.perf_counter()
+            f()
+            est[k] = time.perf_counter() - t0
+    if config.reps:
+        reps = int(config.reps)
+    else:
+        reps = int(config.budget_s / max(max(est.values()), 1e-6))
+        reps = max(config.min_reps, min(config.max_reps, reps))
+    samples = time_interleaved(fns, reps)
+    entry["reps"] = reps
+    entry["check"] = check
+    for k in LAYER_KEYS:
+        entry[k] = _stats(samples[k]) if k in samples else {"error": errors.get(k, "not run")}
+    return entry
+
+
+def run_layer(config=None, label="layer", stream=None):
+    """--layer: times one BN layer training step (forward + backward) per case of `config`
+    (shapes x dtypes x formats; training only) for every LAYER_COLUMNS contestant, in this
+    process. Returns {"meta": {...}, "results": [case, ...]}; each case has shape,
+    tensor_shape, format, dtype, elements, reps, check and, per contestant key, either
+    {"median_ms", "min_ms", "mean_ms", "samples_ms"} or {"error": why n/a}."""
+    config = config or Config(dtypes=("float32",), formats=("NHWC",))
+    threads = configure_threads(config.threads)
+    torch, torch_note, torch_why = _setup_torch(config, threads)
+    support = ours_forward_support()
+    base, relu_base = layer_ratio_base(support)
+    meta = {"mode": "layer", "tf_version": tf.__version__,
+            "tf_backend": backend_name(onednn_enabled()), "intra_op_threads": threads,
+            "torch": torch_note, "torch_why": torch_why, "ours_forward": support,
+            "ratio_base": base, "ratio_base_relu": relu_base,
+            "columns": {k: d for k, _, d in LAYER_COLUMNS}, "config": config.to_json()}
+    cases = [(tuple(s), d, f) for s in config.shapes for d in config.dtypes
+             for f in config.formats]
+    progress = Progress(label, [math.prod(c[0]) for c in cases], stream=stream,
+                        enabled=config.progress)
+    results = []
+    logger = tf.get_logger()
+    old_level = logger.level
+    logger.setLevel("ERROR")
+    try:
+        for shape, dtype, fmt in cases:
+            case_name = "%s %s %s layer step" % (shape_str(tensor_shape(shape, fmt)), fmt, dtype)
+            progress.start(case_name)
+            results.append(_run_layer_case(config, shape, dtype, fmt, support, torch,
+                                           torch_why, case_name))
+            progress.finish(math.prod(shape))
+    finally:
+        logger.setLevel(old_level)
+        progress.close()
+    return {"meta": meta, "results": results}
+
+
+def merge_layer(res):
+    """Flattened --layer rows: <key>_ms and <key>_error per contestant, x_<key> (its ms / its
+    partner's ms: >1 = ours faster) and the partner's key in partner_<key>."""
+    base, relu_base = res["meta"]["ratio_base"], res["meta"]["ratio_base_relu"]
+    rows = []
+    for r in res["results"]:
+        row = {k: r[k] for k in ("shape", "tensor_shape", "format", "dtype", "elements",
+                                 "reps", "check")}
+        for k in LAYER_KEYS:
+            row[k + "_ms"] = _ms(r.get(k))
+            row[k + "_error"] = (r.get(k) or {}).get("error")
+        for k in LAYER_KEYS:
+            p = _layer_partner(k, base, relu_base)
+            if p is not None:
+                row["partner_" + k] = p
+                row["x_" + k] = _ratio(row[k + "_ms"], row[p + "_ms"])
+        row["raw"] = r
+        rows.append(row)
+    return rows
+
+
+def format_layer_table(rows, meta):
+    base, relu_base = meta["ratio_base"], meta["ratio_base_relu"]
+    cols = [("shape", "<", 15), ("fmt", "<", 4), ("dtype", "<", 8)]
+    keys = []
+    for k in LAYER_KEYS:
+        cols.append((LAYER_HEADERS[k], ">", max(9, len(LAYER_HEADERS[k]))))
+        keys.append((k, "ms"))
+        if _layer_partner(k, base, relu_base) is not None:
+            cols.append(("x", ">", 6))
+            keys.append((k, "x"))
+    cols.append(("reps", ">", 4))
+
+    def line(vals):
+        return "  ".join(("{:%s%d}" % (a, w)).format(v) for (_, a, w), v in zip(cols, vals))
+
+    out = [line([c[0] for c in cols]), line(["-" * c[2] for c in cols])]
+    for r in sorted(rows, key=lambda r: (DTYPES.index(r["dtype"]), FORMATS.index(r["format"]))):
+        vals = [shape_str(r["tensor_shape"]), r["format"], r["dtype"]]
+        for k, what in keys:
+            vals.append(_f(r[k + "_ms"], "%.3f") if what == "ms" else _f(r["x_" + k], "%.2fx"))
+        vals.append(str(r["reps"]))
+        out.append(line(vals))
+    return "\n".join(out)
+
+
+def summarize_layer(rows, meta):
+    """Median x per (dtype, format) group and contestant over shapes."""
+    base, relu_base = meta["ratio_base"], meta["ratio_base_relu"]
+    groups = []
+    for dtype in DTYPES:
+        for fmt in FORMATS:
+            sel = [r for r in rows if r["dtype"] == dtype and r["format"] == fmt]
+            if not sel:
+                continue
+            g = {"dtype": dtype, "format": fmt}
+            for k in LAYER_KEYS:
+                if _layer_partner(k, base, relu_base) is not None:
+                    g[k], g[k + "_n"] = _median(r["x_" + k] for r in sel)
+            groups.append(g)
+    return {"speedups": groups}
+
+
+def format_layer_summary(summary, meta):
+    base, relu_base = meta["ratio_base"], meta["ratio_base_relu"]
+    keys = [k for k in LAYER_KEYS if _layer_partner(k, base, relu_base) is not None]
+    out = ["Summary: median over shapes of their ms / %s ms (%s: / %s ms); >1 = ours faster"
+           % (LAYER_HEADERS[base], LAYER_HEADERS["tf_relu"], LAYER_HEADERS[relu_base])]
+    out.append("%-16s" % "group" + "".join("  %10s" % LAYER_HEADERS[k] for k in keys))
+    for g in summary["speedups"]:
+        out.append("%-16s" % ("%s %s" % (g["dtype"], g["format"])) +
+                   "".join("  %10s" % _f(g[k], "%.2fx") for k in keys))
+    return "\n".join(out)
+
+
+def layer_notes(rows):
+    """Sorted 'header: n/a (why)' lines, one per contestant and distinct reason."""
+    notes = []
+    for k in LAYER_KEYS:
+        for why in sorted({r[k + "_error"] for r in rows if r[k + "_error"]}):
+            notes.append("%s: n/a (%s)" % (LAYER_HEADERS[k], why))
+    return notes
+
+
+def main_layer(args, config):
+    """The --layer command: prints the header, table, summary and n/a reasons; --json."""
+    t0 = time.perf_counter()
+    load_start = _loadavg()
+    if load_start is not None and load_start > 0.75 * (os.cpu_count() or 1):
+        print("warning: load average %.1f on %d cores: other work is running, the times will "
+              "be noisy (see `ps aux`)" % (load_start, os.cpu_count() or 1), file=sys.stderr)
+    threads = configure_threads(config.threads)
+    res = run_layer(config)
+    rows = merge_layer(res)
+    summary = summarize_layer(rows, res["meta"])
+    elapsed = time.perf_counter() - t0
+    meta = _machine_meta()
+    meta.update(res["meta"])
+    meta.update({"intra_op_threads": threads, "elapsed_s": round(elapsed, 1),
+                 "loadavg_1min_start": load_start, "loadavg_1min_end": _loadavg()})
+    base, relu_base = meta["ratio_base"], meta["ratio_base_relu"]
+    print("fbn_grad_tf benchmark --layer: %s, %d cores, TF %s (%s), %d intra-op threads, %s; "
+          "ISA %s" % (meta["cpu"], meta["cores"], tf.__version__, meta["tf_backend"], threads,
+                      meta["torch"], meta["fbn_grad_tf_isa"]))
+    if load_start is not None:
+        print("load average (1 min) at start %.2f, at end %.2f on %d cores"
+              % (load_start, meta["loadavg_1min_end"], meta["cores"]))
+    print("times: median ms of one BN training step (forward + backward, upstream gradient "
+          "dy fed in) over `reps` interleaved calls; epsilon %g" % config.epsilon)
+    for k, h, d in LAYER_COLUMNS:
+        print("  %-10s = %s" % (h, d))
+    print("x = that column's ms / %s ms (%s: / %s ms) from the same process; >1: ours faster"
+          % (LAYER_HEADERS[base], LAYER_HEADERS["tf_relu"], LAYER_HEADERS[relu_base]))
+    if base != "ours":
+        print("  (ours, ours+ReLU: n/a (%s): this fbn_grad_tf.fused_batch_norm %s, so the "
+              "ratios are against tf+ours)" % (
+                  NEEDS_FORWARD, "cannot run our forward op here (nn.our_forward_available())"
+                  if meta["ours_forward"].get("accepts_forward") else "has no forward= argument"))
+    print()
+    print(format_layer_table(rows, meta))
+    print()
+    print(format_layer_summary(summary, meta))
+    notes = layer_notes(rows)
+    if notes:
+        print()
+        print("n/a (refused, not built or not installed):")
+        for n in notes:
+            print("  " + n)
+    print()
+    print("elapsed %s" % _fmt_duration(elapsed))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "summary": summary, "results": rows}, f, indent=1)
+    if args.plot:
+        print("--plot: not drawn in --layer mode", file=sys.stderr)
+    return 0
+
+
 # ---- command line ---------------------------------------------------------------------------
 
 def _split(text, allowed, what):
@@ -868,7 +1403,8 @@ def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m fbn_grad_tf.bench",
         description="Times fbn_grad_tf's FusedBatchNormGradV3 against TF's built-in op "
-                    "(oneDNN and Eigen kernels) and, when importable, PyTorch's.")
+                    "(oneDNN and Eigen kernels) and, when importable, PyTorch's; with --layer, "
+                    "a whole BN layer training step against TF, Keras and PyTorch.")
     p.add_argument("--quick", action="store_true",
                    help="~1 minute subset: 2 shapes, float32+bfloat16, fewer reps")
     p.add_argument("--shapes", type=lambda s: tuple(parse_shape(t) for t in s.split(",")),
@@ -896,6 +1432,11 @@ def build_parser():
                    help="skip the second TF backend (the worker subprocess)")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if importable")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--layer", action="store_true",
+                   help="time one whole BN layer training step (forward + backward) instead: "
+                        "ours, ours+ReLU, TF's forward with our backward, TF BN+ReLU, TF fused, "
+                        "Keras 3 BatchNormalization, PyTorch; float32 NHWC unless --dtypes/"
+                        "--formats say otherwise (--modes does not apply: training only)")
     p.add_argument("--_worker", choices=("eigen", "onednn"), help=argparse.SUPPRESS)
     p.add_argument("--_config", help=argparse.SUPPRESS)
     return p
@@ -905,8 +1446,11 @@ def config_from_args(args):
     if args._config:
         return Config.from_json(json.loads(args._config))
     cfg = quick_config() if args.quick else Config()
+    if getattr(args, "layer", False):  # one dtype and format unless asked for more
+        cfg.dtypes, cfg.formats, cfg.modes = ("float32",), ("NHWC",), ("training",)
     for field, val in (("shapes", args.shapes), ("dtypes", args.dtypes),
-                       ("formats", args.formats), ("modes", args.modes),
+                       ("formats", args.formats),
+                       ("modes", None if getattr(args, "layer", False) else args.modes),
                        ("reps", args.reps), ("budget_s", args.budget),
                        ("min_reps", args.min_reps), ("max_reps", args.max_reps),
                        ("threads", args.threads)):
@@ -919,6 +1463,17 @@ def config_from_args(args):
     if args.no_progress:
         cfg.progress = False
     return cfg
+
+
+def torch_header_note(meta, threads):
+    """The line above the table that says what the PyTorch columns are, or why they are n/a."""
+    why = meta.get("torch_why")
+    if why:
+        return "torch ms, x, t%%BW: n/a (%s)%s" % (
+            why, "; %s" % TORCH_INSTALL_HINT if why == TORCH_MISSING else "")
+    return ("torch ms = torch.ops.aten.native_batch_norm_backward, eager, %s; NHWC as "
+            "channels_last, NCHW contiguous, converted once; x = torch ms / ours ms; "
+            "t%%BW = PyTorch's effective bandwidth / the same bandwidth" % meta.get("torch"))
 
 
 def run_worker_subprocess(backend, config, timeout=None):
@@ -993,6 +1548,8 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(res, f)
         return 0
+    if args.layer:
+        return main_layer(args, config)
 
     t0 = time.perf_counter()
     load_start = _loadavg()
@@ -1043,21 +1600,20 @@ def main(argv=None):
         if not config.eigen_bfc:
             print("  (with oneDNN off TF allocates from malloc, so large outputs are fresh pages "
                   "on every call, for ours(E) and TF-Eigen alike; --eigen-bfc pools them)")
+    if have_torch:
+        print(torch_header_note(main_res["meta"], threads))
     print()
     print(format_table(rows, have_torch))
     print()
     print(format_summary(summary, bandwidth, have_torch))
     notes = sorted({"%s: %s" % (b, r["tf_%s_error" % b]) for r in rows for b in ("onednn", "eigen")
                     if r["tf_%s_ms" % b] is None and r["tf_%s_error" % b]})
-    if notes:
+    tnotes = sorted({r["torch_error"] for r in rows if r["torch_error"]}) if have_torch else []
+    if notes or tnotes:
         print()
-        print("n/a (TF refused or not run):")
-        for n in notes:
+        print("n/a (refused, not run or not installed):")
+        for n in notes + ["torch: " + n for n in tnotes]:
             print("  " + n)
-    if have_torch:
-        tnotes = sorted({r["torch_error"] for r in rows if r["torch_error"]})
-        for n in tnotes:
-            print("  torch: " + n)
     print()
     print("elapsed %s" % _fmt_duration(elapsed))
     if args.json:

@@ -5,6 +5,7 @@ GPU arrays, PyTorch or CuPy)::
 
     from fbn_grad_tf import core
     dx, dscale, doffset = core.bn_grad(dy, x, scale, mean, var, data_format="NCHW")
+    y, batch_mean, batch_var, saved_mean, saved_var = core.bn_forward(x, scale, offset)
 
 Inputs on the GPU are recognized by ``__cuda_array_interface__`` (PyTorch CUDA tensors,
 CuPy arrays, Numba arrays); outputs are allocated with the same library as ``x``.
@@ -15,12 +16,13 @@ import numpy as np
 
 from . import _core
 
-__all__ = ["bn_grad", "validate", "default_isa", "cpu_supports", "with_cuda", "bfloat16"]
+__all__ = ["bn_grad", "bn_forward", "validate", "validate_forward", "default_isa", "cpu_supports", "with_cuda", "bfloat16"]
 
 with_cuda = bool(_core.with_cuda)
 default_isa = _core.default_isa
 cpu_supports = _core.cpu_supports
 validate = _core.validate
+validate_forward = _core.validate_forward
 
 try:  # NumPy has no bfloat16; ml_dtypes (a TensorFlow dependency) provides one.
     from ml_dtypes import bfloat16
@@ -42,12 +44,87 @@ def _is_device_array(a):
         hasattr(a, "is_cuda") and getattr(a, "is_cuda", False))
 
 
+def _activation_mode(activation):
+    name = "identity" if activation is None else str(activation).lower()
+    if name not in ("identity", "relu"):
+        raise ValueError('activation must be None, "identity" or "relu", got %r' % (activation,))
+    return name.capitalize()
+
+
+def _threads(num_threads):
+    return num_threads if num_threads > 0 else (os.cpu_count() or 1)
+
+
+def bn_forward(x, scale, offset, mean=None, variance=None, epsilon=1e-4,
+               exponential_avg_factor=1.0, data_format="NHWC", is_training=True,
+               activation=None, saved_stat="variance", num_threads=0, isa="auto"):
+    """Batch-norm forward of FusedBatchNormV3 on arrays.
+
+    Returns ``(y, batch_mean, batch_variance, saved_mean, saved_var)``: batch_variance is
+    Bessel-corrected (and blended with `variance` when exponential_avg_factor != 1);
+    saved_mean/saved_var are reserve_space_1/2: the batch mean and the biased batch
+    variance (``saved_stat="variance"``, TF's CPU convention) or 1/sqrt(var + epsilon)
+    (``"inv_std"``, cuDNN's). mean/variance (running statistics) are needed in inference
+    and when exponential_avg_factor != 1. activation: None or "relu" (fused).
+    """
+    mode = _activation_mode(activation)
+    if _is_device_array(x):
+        return _bn_forward_device(x, scale, offset, mean, variance, epsilon,
+                                  exponential_avg_factor, data_format, is_training, mode,
+                                  saved_stat)
+    xx = np.require(x, requirements="C")
+    dtype = _dtype_name(xx.dtype)
+    vecs = [np.require(np.zeros(0) if v is None else v, dtype=np.float32, requirements="C")
+            for v in (scale, offset, mean, variance)]
+    shapes = [list(a.shape) for a in (xx, *vecs)]
+    _core.validate_forward(shapes, data_format, float(epsilon), float(exponential_avg_factor),
+                           bool(is_training))
+    channels = vecs[0].shape[0]
+    y = np.empty_like(xx)
+    stats = [np.empty(channels, np.float32) for _ in range(4)]
+    ptrs = [a.ctypes.data if a.size else 0 for a in (xx, *vecs)] + [y.ctypes.data] + [
+        a.ctypes.data for a in stats]
+    _core.bn_forward_cpu_raw(dtype, ptrs, shapes, data_format, float(epsilon),
+                             float(exponential_avg_factor), bool(is_training), mode, saved_stat,
+                             int(_threads(num_threads)), isa)
+    return (y, *stats)
+
+
+def _bn_forward_device(x, scale, offset, mean, variance, epsilon, factor, data_format,
+                       is_training, mode, saved_stat):
+    if not with_cuda:
+        raise RuntimeError("fbn_grad_tf._core was built without CUDA; rebuild with nvcc "
+                           "available (FBN_GRAD_TF_CUDA=1)")
+    lib = _array_library(x)
+    x = lib.contiguous(x)
+    vecs = [None if v is None else lib.contiguous(lib.as_float32(v))
+            for v in (scale, offset, mean, variance)]
+    dtype = _dtype_name(lib.dtype(x))
+    shapes = [list(lib.shape(x))] + [[0] if v is None else list(lib.shape(v)) for v in vecs]
+    _core.validate_forward(shapes, data_format, float(epsilon), float(factor), bool(is_training))
+    channels = shapes[1][0]
+    y = lib.empty_like(x)
+    stats = [lib.empty_f32(x, channels) for _ in range(4)]
+    ws_bytes = _core.cuda_forward_workspace_bytes(shapes, data_format, float(epsilon),
+                                                  float(factor), bool(is_training))
+    ws = lib.empty_bytes(x, max(ws_bytes, 1))
+    ptrs = ([lib.ptr(x)] + [0 if v is None else lib.ptr(v) for v in vecs] + [lib.ptr(y)]
+            + [lib.ptr(a) for a in stats])
+    _core.bn_forward_cuda_raw(dtype, ptrs, shapes, data_format, float(epsilon), float(factor),
+                              bool(is_training), mode, saved_stat, lib.ptr(ws), ws_bytes,
+                              lib.stream(x))
+    return (y, *stats)
+
+
 def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4,
             data_format="NHWC", is_training=True, saved_stat="variance", num_threads=0,
-            isa="auto"):
+            isa="auto", relu_y=None):
     """Batch-norm backward of FusedBatchNormGradV3 on arrays.
 
     Returns ``(x_backprop, scale_backprop, offset_backprop)``.
+
+    relu_y: the output y of a forward with a fused ReLU (bn_forward(activation="relu")):
+    y_backprop is then masked with relu_y > 0 inside the kernel.
 
     saved_stat: what ``reserve_space_2`` holds in training mode: ``"variance"`` (TF's CPU
     forward) or ``"inv_std"`` (TF's GPU forward: 1/sqrt(var + epsilon)).
@@ -55,7 +132,7 @@ def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4
     """
     if _is_device_array(x):
         return _bn_grad_device(y_backprop, x, scale, reserve_space_1, reserve_space_2,
-                               epsilon, data_format, is_training, saved_stat)
+                               epsilon, data_format, is_training, saved_stat, relu_y)
     # np.require keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d and hide a
     # rank error behind a shape of [1]).
     dy = np.require(y_backprop, requirements="C")
@@ -75,12 +152,19 @@ def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4
     if num_threads <= 0:
         num_threads = os.cpu_count() or 1
     ptrs = [a.ctypes.data for a in (dy, xx, *vecs, dx, dscale, doffset)]
+    if relu_y is not None:
+        ry = np.require(relu_y, requirements="C")
+        if ry.shape != xx.shape or ry.dtype != xx.dtype:
+            raise ValueError("relu_y must have the shape and dtype of x, got %s %s and %s %s"
+                             % (ry.shape, ry.dtype, xx.shape, xx.dtype))
+        ptrs.append(ry.ctypes.data)
     _core.bn_grad_cpu_raw(dtype, ptrs, shapes, data_format, float(epsilon), bool(is_training),
                           saved_stat, int(num_threads), isa)
     return dx, dscale, doffset
 
 
-def _bn_grad_device(dy, x, scale, rs1, rs2, epsilon, data_format, is_training, saved_stat):
+def _bn_grad_device(dy, x, scale, rs1, rs2, epsilon, data_format, is_training, saved_stat,
+                    relu_y=None):
     if not with_cuda:
         raise RuntimeError("fbn_grad_tf._core was built without CUDA; rebuild with nvcc "
                            "available (FBN_GRAD_TF_CUDA=1)")
@@ -99,6 +183,11 @@ def _bn_grad_device(dy, x, scale, rs1, rs2, epsilon, data_format, is_training, s
     ws_bytes = _core.cuda_workspace_bytes(shapes, data_format, float(epsilon))
     ws = lib.empty_bytes(x, max(ws_bytes, 1))
     ptrs = [lib.ptr(a) for a in (dy, x, *vecs, dx, dscale, doffset)]
+    if relu_y is not None:
+        ry = lib.contiguous(relu_y)
+        if list(lib.shape(ry)) != shapes[1] or _dtype_name(lib.dtype(ry)) != dtype:
+            raise ValueError("relu_y must have the shape and dtype of x")
+        ptrs.append(lib.ptr(ry))
     _core.bn_grad_cuda_raw(dtype, ptrs, shapes, data_format, float(epsilon), bool(is_training),
                            saved_stat, lib.ptr(ws), ws_bytes, lib.stream(x))
     return dx, dscale, doffset

@@ -14,6 +14,12 @@ Importing this module (``import fbn_grad_tf`` does) registers:
   gradient functions for TF's *forward* ops FusedBatchNormV3/V2/FusedBatchNorm that call our
   op instead of TF's FusedBatchNormGrad*. They are not used by default; they are what
   ``fbn_grad_tf.use_for_gradients()`` routes those ops to (see nn.py).
+  "FbnGrad>FusedBatchNormV3" is also the op type of *our* forward op, which has TF's
+  signature and reserve-space conventions, so the same function is its gradient.
+* ``"FbnGrad>FusedBatchNormEx"`` (our forward with a fused activation): its gradient is
+  ``"FbnGrad>FusedBatchNormGradEx"``, which masks y_backprop with y > 0 inside the kernel;
+  and the gradient of that op (double backprop), like ``"FbnGrad>FusedBatchNormGradV3"``'s
+  with the masked y_backprop.
 
 Our op has no XLA kernel: when a gradient is built inside an XLA compilation context
 (``tf.function(jit_compile=True)``), these functions fall back to TF's own gradient op, with a
@@ -25,7 +31,8 @@ import warnings
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from ._loader import REGISTERED_OP_NAME, raw_op
+from ._loader import (FORWARD_EX_OP_NAME, GRAD_EX_OP_NAME, REGISTERED_OP_NAME, raw_grad_ex_op,
+                      raw_op)
 
 #: Gradient-function names under which our routing of TF's forward ops is registered
 #: (the values to use in ``graph.gradient_override_map``).
@@ -134,6 +141,10 @@ def _zeros_if_none(g, like):
 @tf.RegisterGradient(REGISTERED_OP_NAME)
 def _fbn_grad_grad(op, *grads):
     """Gradient of our op (double backprop), like TF's _FusedBatchNormGradGradV3."""
+    return _grad_grad(op, grads, relu=False)
+
+
+def _grad_grad(op, grads, relu):
     data_format = op.get_attr("data_format")
     epsilon = op.get_attr("epsilon")
     is_training = op.get_attr("is_training")
@@ -141,11 +152,47 @@ def _fbn_grad_grad(op, *grads):
     upstream = [_zeros_if_none(grads[i], op.outputs[i]) for i in range(3)]
     with tf.GradientTape() as tape:
         tape.watch([dy, x, scale])
-        gx, gscale, goffset = batch_norm_grad_reference(dy, x, scale, pop_mean, pop_var, epsilon,
-                                                        data_format, is_training)
+        # The ReLU mask is piecewise constant in y: it gates dy, and y gets no gradient.
+        dy_eff = tf.where(op.inputs[6] > 0, dy, tf.zeros_like(dy)) if relu else dy
+        gx, gscale, goffset = batch_norm_grad_reference(dy_eff, x, scale, pop_mean, pop_var,
+                                                        epsilon, data_format, is_training)
     gdy, gx2, gscale2 = tape.gradient([gx, gscale, goffset], [dy, x, scale],
                                       output_gradients=upstream)
-    return gdy, gx2, gscale2, None, None, None
+    return (gdy, gx2, gscale2, None, None, None) + ((None,) if op.type == GRAD_EX_OP_NAME else ())
+
+
+@tf.RegisterGradient(GRAD_EX_OP_NAME)
+def _fbn_grad_ex_grad(op, *grads):
+    """Gradient of FbnGrad>FusedBatchNormGradEx (double backprop)."""
+    return _grad_grad(op, grads, relu=_as_str(op.get_attr("activation_mode")) == "Relu")
+
+
+@tf.RegisterGradient(FORWARD_EX_OP_NAME)
+def _fbn_forward_ex_grad(op, *grads):
+    """Gradient of our fused forward+activation: FbnGrad>FusedBatchNormGradEx."""
+    epsilon = op.get_attr("epsilon")
+    data_format = _as_str(op.get_attr("data_format"))
+    is_training = op.get_attr("is_training")
+    mode = _as_str(op.get_attr("activation_mode"))
+    x, scale = op.inputs[0], op.inputs[1]
+    y = op.outputs[0]
+    dy = _zeros_if_none(grads[0], y)
+    if is_training:
+        rs1, rs2 = op.outputs[3], op.outputs[4]
+    else:
+        rs1, rs2 = op.inputs[3], op.inputs[4]
+    if in_xla_context():  # not reached in practice: the forward itself has no XLA kernel
+        warn_xla_fallback("the gradient of " + FORWARD_EX_OP_NAME)
+        if mode == "Relu":
+            dy = tf.where(y > 0, dy, tf.zeros_like(dy))
+        dx, dscale, doffset = _tf_builtin_backward(dy, x, scale, rs1, rs2, op.outputs[5],
+                                                   epsilon, data_format, is_training)
+    else:
+        dx, dscale, doffset, _, _ = raw_grad_ex_op(
+            y_backprop=dy, x=x, scale=scale, reserve_space_1=rs1, reserve_space_2=rs2,
+            reserve_space_3=op.outputs[5], y=y, epsilon=epsilon, data_format=data_format,
+            is_training=is_training, activation_mode=mode)
+    return dx, dscale, doffset, None, None
 
 
 # ---- gradients of TF's forward ops, computed by our op ---------------------------------------

@@ -1,22 +1,28 @@
-"""``fbn_grad_tf.keras.BatchNormalization``: Keras 3's BatchNormalization with TF's fused forward
-and fbn_grad_tf's backward.
+"""``fbn_grad_tf.keras.BatchNormalization``: Keras 3's BatchNormalization with fbn_grad_tf's
+fused forward and backward (and an optional fused ReLU).
 
     import fbn_grad_tf
     layer = fbn_grad_tf.keras.BatchNormalization()      # same arguments as keras.layers.BN
+    bn_relu = fbn_grad_tf.keras.BatchNormalization(activation="relu")  # relu(bn(x)), fused
 
 It subclasses ``keras.layers.BatchNormalization`` (same constructor, weights, variable names,
 get_config and moving-statistics semantics) and replaces the math of ``call`` when it can:
 
 * fused path (4-D or 5-D input whose normalized axis is the channel axis: last -> NHWC/NDHWC,
   1 -> NCHW/NCDHW; dtype float16/bfloat16/float32; no mask; renorm=False):
-  forward = ``tf.raw_ops.FusedBatchNormV3``, backward = our "FbnGrad>FusedBatchNormGradV3" op
-  (a tf.custom_gradient). Moving statistics are updated exactly like Keras 3 does:
+  forward = our "FbnGrad>FusedBatchNormV3" op ("FbnGrad>FusedBatchNormEx" with
+  activation="relu"), backward = our "FbnGrad>FusedBatchNormGradV3" ("...GradEx") op. The
+  ``forward_op`` property selects TF's ``FusedBatchNormV3`` forward instead (then the
+  gradient is a tf.custom_gradient calling our op, and a ReLU is a separate tf.nn.relu).
+  Inference (training=False) always uses TF's forward op, so that serving exports hold
+  only TF's ops (see docs/DROPIN.md). Moving statistics are updated exactly like Keras 3 does:
   ``moving = moving * momentum + batch_stat * (1 - momentum)`` with the *biased* batch
   variance (what ``ops.moments`` returns). FusedBatchNormV3's output 2 is Bessel-corrected,
   so it is rescaled by (M-1)/M, M = elements per channel (device-independent; the reserve
   space holds different things on CPU and GPU).
 * anything else (2-D/3-D input, another axis, float64, a mask, renorm=True) falls back to
-  Keras' own implementation (plain TF ops, Keras' gradient) unchanged.
+  Keras' own implementation (plain TF ops, Keras' gradient) unchanged, followed by
+  tf.nn.relu when activation="relu".
 
 Inside XLA compilation (tf.function(jit_compile=True), model.compile(jit_compile=True)) our
 op cannot be compiled: the layer keeps the fused forward but uses TF's own FusedBatchNormGradV3
@@ -30,7 +36,7 @@ import keras
 import tensorflow as tf
 
 from . import gradients as _grads
-from .nn import _fused_batch_norm_v3
+from .nn import _fused_batch_norm_v3, check_forward_and_activation
 
 _FUSED_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
 
@@ -51,7 +57,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
                  moving_mean_initializer="zeros", moving_variance_initializer="ones",
                  beta_regularizer=None, gamma_regularizer=None, beta_constraint=None,
                  gamma_constraint=None, renorm=False, renorm_clipping=None,
-                 renorm_momentum=0.99, synchronized=False, **kwargs):
+                 renorm_momentum=0.99, synchronized=False, activation=None, **kwargs):
         super().__init__(
             axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
             beta_initializer=beta_initializer, gamma_initializer=gamma_initializer,
@@ -64,6 +70,28 @@ class BatchNormalization(keras.layers.BatchNormalization):
         # Our op has no XLA kernel: keep Keras' jit_compile="auto" from choosing XLA.
         self.supports_jit = False
         self._gradient_op = "fbn_grad_tf"
+        self._forward_op = "fbn_grad_tf"
+        self.activation = check_forward_and_activation("ours", activation)
+
+    def get_config(self):
+        config = super().get_config()
+        config["activation"] = self.activation
+        return config
+
+    @property
+    def forward_op(self):
+        """Which op computes the fused path's forward: "fbn_grad_tf" (default: our
+        FbnGrad>FusedBatchNormV3 where it can run, see fbn_grad_tf.nn.our_forward_available)
+        or "tensorflow" (TF's FusedBatchNormV3). Not part of get_config. Takes effect when
+        the call is (re)traced."""
+        return self._forward_op
+
+    @forward_op.setter
+    def forward_op(self, value):
+        if value not in ("fbn_grad_tf", "tensorflow"):
+            raise ValueError('forward_op must be "fbn_grad_tf" or "tensorflow", got %r'
+                             % (value,))
+        self._forward_op = value
 
     @property
     def gradient_op(self):
@@ -103,12 +131,15 @@ class BatchNormalization(keras.layers.BatchNormalization):
         if self.synchronized:
             from . import sync as _sync
             if _sync.layer_uses_sync_path(self, inputs, training, mask):
-                return _sync.sync_layer_call(self, inputs)
-            return keras.layers.BatchNormalization.call(self, inputs, training=training,
-                                                        mask=mask)
+                y = _sync.sync_layer_call(self, inputs)
+            else:
+                y = keras.layers.BatchNormalization.call(self, inputs, training=training,
+                                                         mask=mask)
+            return tf.nn.relu(y) if self.activation == "relu" else y
         data_format = self.fused_data_format(tuple(inputs.shape), inputs.dtype, mask)
         if data_format is None:
-            return super().call(inputs, training=training, mask=mask)
+            y = super().call(inputs, training=training, mask=mask)
+            return tf.nn.relu(y) if self.activation == "relu" else y
 
         x = tf.convert_to_tensor(inputs)
         channels = self.moving_mean.shape[0]
@@ -121,6 +152,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
             _grads.warn_xla_fallback("fbn_grad_tf.keras.BatchNormalization")
         # TF's registered gradient of the forward op (XLA-compilable) instead of ours.
         tf_grad = xla or self._gradient_op == "tensorflow"
+        forward = "tf" if self._forward_op == "tensorflow" else "ours"
+        relu_after = tf_grad and self.activation == "relu"  # else fused (or nn.py applies it)
 
         if training and self.trainable:
             empty = tf.constant([], tf.float32)
@@ -131,7 +164,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
                     data_format=data_format, is_training=True)
             else:
                 y, batch_mean, batch_var = _fused_batch_norm_v3(
-                    x, gamma, beta, empty, empty, self.epsilon, 1.0, data_format, True)
+                    x, gamma, beta, empty, empty, self.epsilon, 1.0, data_format, True,
+                    forward=forward, activation=self.activation)
             # Keras 3 averages the *biased* batch variance; output 2 is var * M / max(M-1, 1).
             m = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)
             batch_var = tf.where(m > 1.0, batch_var * ((m - 1.0) / m), batch_var)
@@ -152,8 +186,14 @@ class BatchNormalization(keras.layers.BatchNormalization):
                     epsilon=self.epsilon, exponential_avg_factor=1.0,
                     data_format=data_format, is_training=False)[0]
             else:
+                # Inference keeps TF's forward op (our backward still computes its
+                # gradient): a serving export (SaveOptions(experimental_custom_gradients=
+                # False)) then holds only TF's ops and loads without fbn_grad_tf.
                 y = _fused_batch_norm_v3(x, gamma, beta, moving_mean, moving_var,
-                                         self.epsilon, 1.0, data_format, False)[0]
+                                         self.epsilon, 1.0, data_format, False,
+                                         forward="tf", activation=self.activation)[0]
+        if relu_after:
+            y = tf.nn.relu(y)
         if y.dtype != self.compute_dtype:
             y = tf.cast(y, self.compute_dtype)
         return y

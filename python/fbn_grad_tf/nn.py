@@ -3,9 +3,10 @@
 Two entry points:
 
 ``fused_batch_norm(x, scale, offset, ...)``
-    Drop-in for ``tf.compat.v1.nn.fused_batch_norm``: the same forward (TF's FusedBatchNormV3)
-    and the same outputs ``(y, running_mean, running_var)``, but its gradient is computed by
-    our op (a ``tf.custom_gradient``). Works eagerly, in tf.function, under GradientTape and
+    Drop-in for ``tf.compat.v1.nn.fused_batch_norm``: the same outputs
+    ``(y, running_mean, running_var)``, with our forward op ("FbnGrad>FusedBatchNormV3", or
+    "FbnGrad>FusedBatchNormEx" with a fused ReLU) and our backward; ``forward="tf"`` keeps
+    TF's FusedBatchNormV3 forward (then the gradient is a ``tf.custom_gradient``). Works eagerly, in tf.function, under GradientTape and
     under ``tf.compat.v1.gradients`` in TF1 graphs; second derivatives work too (our op's own
     gradient is registered in gradients.py).
 
@@ -23,17 +24,45 @@ import tensorflow as tf
 from tensorflow.python.framework import ops as _tf_ops
 from tensorflow.python.framework import registry as _tf_registry
 
+from . import _loader
 from . import gradients as _grads
 
 _DATA_FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
+FORWARDS = ("ours", "tf")
+ACTIVATIONS = (None, "relu")
+
+
+def check_forward_and_activation(forward, activation):
+    """Validates the `forward` / `activation` arguments; returns activation normalized."""
+    if forward not in FORWARDS:
+        raise ValueError('forward must be "ours" or "tf", got %r' % (forward,))
+    if isinstance(activation, str):
+        activation = activation.lower()
+        if activation in ("identity", "linear", "none"):
+            activation = None
+    if activation not in ACTIVATIONS:
+        raise ValueError('activation must be None or "relu", got %r' % (activation,))
+    return activation
+
+
+def our_forward_available():
+    """True when our forward op can run where the ops will be placed: always on CPU; on a
+    machine with GPUs only if the library has our CUDA kernels (otherwise TF would run our
+    op on the CPU and copy the tensors back and forth)."""
+    if _loader.raw_forward_op is None:
+        return False
+    info = _loader.build_info
+    if info is not None and info.WITH_CUDA:
+        return True
+    return not tf.config.list_physical_devices("GPU")
 
 
 # ---- fused_batch_norm ---------------------------------------------------------------------
 
 def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
                      data_format="NHWC", is_training=True, exponential_avg_factor=1.0,
-                     name=None):
-    """Batch normalization with TF's fused forward and fbn_grad_tf's backward.
+                     name=None, activation=None, forward="ours"):
+    """Batch normalization with fbn_grad_tf's forward and backward.
 
     Same arguments, checks and results as ``tf.compat.v1.nn.fused_batch_norm`` of the pinned
     TF 2.21 (x: 4-D or 5-D half/bfloat16/float32 tensor; scale, offset, mean, variance: [C]
@@ -50,8 +79,16 @@ def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
 
     Gradients flow to x, scale and offset (none to mean/variance, as with TF's op); they are
     computed by the "FbnGrad>FusedBatchNormGradV3" op, including channels-first inference,
-    which our op computes natively. Inside tf.function(jit_compile=True) our op cannot be
-    compiled, so TF's built-in gradient is used instead (one-time RuntimeWarning).
+    which our op computes natively. Inside tf.function(jit_compile=True) our ops cannot be
+    compiled, so TF's forward and built-in gradient are used instead (one-time
+    RuntimeWarning).
+
+    activation: None, or "relu" for y = relu(batch_norm(x)) in the same pass (its backward
+    masks y_backprop with y > 0 inside our backward kernel: no extra pass, no extra tensor).
+    forward: "ours" (default; our "FbnGrad>FusedBatchNormV3" op where it can run, see
+    our_forward_available(), else TF's) or "tf" (TF's FusedBatchNormV3, then tf.nn.relu
+    for activation="relu"). Both give the same results up to float rounding, and their
+    outputs can be mixed with either backward.
 
     Returns:
       (y, running_mean, running_var).
@@ -67,6 +104,7 @@ def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
     if data_format not in _DATA_FORMATS:
         raise ValueError("data_format must be one of %s, got %r"
                          % (", ".join(_DATA_FORMATS), data_format))
+    activation = check_forward_and_activation(forward, activation)
     is_training = bool(is_training)
     epsilon = float(epsilon)
     exponential_avg_factor = float(exponential_avg_factor)
@@ -76,22 +114,56 @@ def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
     mean = tf.constant([]) if mean is None else tf.convert_to_tensor(mean)
     variance = tf.constant([]) if variance is None else tf.convert_to_tensor(variance)
     if _grads.in_xla_context():
-        # The forward op has an XLA kernel and its registered gradient too; ours does not.
+        # TF's forward op has an XLA kernel and its registered gradient too; ours do not.
         _grads.warn_xla_fallback("fbn_grad_tf.fused_batch_norm")
         y, running_mean, running_var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
             x=x, scale=scale, offset=offset, mean=mean, variance=variance, epsilon=epsilon,
             exponential_avg_factor=exponential_avg_factor, data_format=data_format,
             is_training=is_training, name=name)
+        if activation == "relu":
+            y = tf.nn.relu(y)
         return y, running_mean, running_var
     return _fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon,
-                                exponential_avg_factor, data_format, is_training, name)
+                                exponential_avg_factor, data_format, is_training, name,
+                                forward=forward, activation=activation)
+
+
+def _our_forward(x, scale, offset, mean, variance, epsilon, exponential_avg_factor,
+                 data_format, is_training, name, activation):
+    """Our forward op; its gradient is registered by op type (gradients.py)."""
+    kw = dict(x=x, scale=scale, offset=offset, mean=mean, variance=variance, epsilon=epsilon,
+              exponential_avg_factor=exponential_avg_factor, data_format=data_format,
+              is_training=is_training, name=name)
+    if activation == "relu":
+        return _loader.raw_forward_ex_op(activation_mode="Relu", **kw)
+    return _loader.raw_forward_op(**kw)
 
 
 def _fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon, exponential_avg_factor,
-                         data_format, is_training, name=None, return_reserve=False):
-    """FusedBatchNormV3 forward with a custom gradient that calls our op.
+                         data_format, is_training, name=None, return_reserve=False,
+                         forward="ours", activation=None):
+    """The forward (ours, or TF's FusedBatchNormV3 with a custom gradient that calls our op).
 
     Returns (y, batch_mean, batch_variance) (plus reserve_space_1/2 if return_reserve)."""
+    if forward == "ours" and our_forward_available():
+        y, batch_mean, batch_var, rs1, rs2, _ = _our_forward(
+            x, scale, offset, mean, variance, epsilon, exponential_avg_factor, data_format,
+            is_training, name, activation)
+        outs = (y, batch_mean, batch_var)
+        if return_reserve:
+            outs += (tf.stop_gradient(rs1), tf.stop_gradient(rs2))
+        return outs
+    outs = _tf_forward_our_backward(x, scale, offset, mean, variance, epsilon,
+                                    exponential_avg_factor, data_format, is_training, name,
+                                    return_reserve)
+    if activation == "relu":
+        outs = (tf.nn.relu(outs[0]),) + tuple(outs[1:])
+    return outs
+
+
+def _tf_forward_our_backward(x, scale, offset, mean, variance, epsilon, exponential_avg_factor,
+                             data_format, is_training, name, return_reserve):
+    """TF's FusedBatchNormV3 forward with a custom gradient that calls our op."""
 
     @tf.custom_gradient
     def _fbn(x, scale, offset, mean, variance):

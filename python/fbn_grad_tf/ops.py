@@ -1,6 +1,9 @@
-"""The Java-style API (mirror of org.tensorflow.op.nn.FusedBatchNormGrad) and a functional form.
+"""The Java-style API (mirrors of org.tensorflow.op.nn.FusedBatchNormGrad and
+org.tensorflow.op.nn.FusedBatchNorm) and functional forms.
 
-    from fbn_grad_tf import FusedBatchNormGrad, Scope
+    from fbn_grad_tf import FusedBatchNorm, FusedBatchNormGrad, Scope
+    fwd = FusedBatchNorm.create(Scope(), x, scale, offset, mean, var,
+                                FusedBatchNorm.exponential_avg_factor(0.1))
     op = FusedBatchNormGrad.create(Scope(), dy, x, scale, mean, var, rs3,
                                    FusedBatchNormGrad.data_format("NCHW"),
                                    FusedBatchNormGrad.is_training(False))
@@ -14,7 +17,8 @@ import numpy as np
 import tensorflow as tf
 
 from . import _core
-from ._loader import REGISTERED_OP_NAME, raw_op
+from ._loader import (FORWARD_EX_OP_NAME, FORWARD_OP_NAME, REGISTERED_OP_NAME,
+                      raw_forward_ex_op, raw_forward_op, raw_op)
 
 DATA_FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
 _T_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
@@ -22,6 +26,10 @@ _T_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
 FusedBatchNormGradOutputs = collections.namedtuple(
     "FusedBatchNormGradOutputs",
     ["x_backprop", "scale_backprop", "offset_backprop", "reserve_space_4", "reserve_space_5"])
+FusedBatchNormOutputs = collections.namedtuple(
+    "FusedBatchNormOutputs",
+    ["y", "batch_mean", "batch_variance", "reserve_space_1", "reserve_space_2",
+     "reserve_space_3"])
 
 
 # ---- argument checks (Python side: what can be known before the kernel runs) -----------
@@ -41,6 +49,20 @@ def _check_epsilon(epsilon):
     if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real):
         raise TypeError("epsilon must be a real number, got %r" % (epsilon,))
     return float(epsilon)
+
+
+def _check_factor(factor):
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise TypeError("exponential_avg_factor must be a real number, got %r" % (factor,))
+    return float(factor)
+
+
+def _check_activation(activation):
+    """None/"identity" -> "Identity", "relu" -> "Relu" (the op's activation_mode)."""
+    name = "identity" if activation is None else activation
+    if isinstance(name, str) and name.lower() in ("identity", "relu"):
+        return name.lower().capitalize()
+    raise ValueError('activation must be None, "identity" or "relu", got %r' % (activation,))
 
 
 def _check_is_training(is_training):
@@ -100,6 +122,42 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
                      reserve_space_3=rs3, epsilon=epsilon, data_format=data_format,
                      is_training=is_training, name=name or "FusedBatchNormGrad")
     return FusedBatchNormGradOutputs(*outputs)
+
+
+def fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon=0.0001,
+                        exponential_avg_factor=1.0, data_format="NHWC", is_training=True,
+                        activation=None, name=None):
+    """Batch-norm forward with the semantics of tf.raw_ops.FusedBatchNormV3, by our op
+    ("FbnGrad>FusedBatchNormV3"; "FbnGrad>FusedBatchNormEx" for activation="relu").
+
+    mean/variance: the running statistics; in training with exponential_avg_factor == 1 they
+    are not read and may be empty ([0]) tensors, as with TF. reserve_space_2 receives the
+    biased batch variance on CPU and 1/sqrt(var + epsilon) on GPU, like TF's kernels, so
+    both backwards (ours and TF's) read it correctly.
+
+    Returns FusedBatchNormOutputs(y, batch_mean, batch_variance, reserve_space_1,
+    reserve_space_2, reserve_space_3); reserve_space_3 is an empty [0] tensor.
+    """
+    data_format = _check_data_format(data_format)
+    epsilon = _check_epsilon(epsilon)
+    factor = _check_factor(exponential_avg_factor)
+    is_training = _check_is_training(is_training)
+    mode = _check_activation(activation)
+    xt = _as_tensor(x, "x", _T_DTYPES)
+    vecs = [_as_tensor(v, n, (tf.float32,)) for v, n in
+            ((scale, "scale"), (offset, "offset"), (mean, "mean"), (variance, "variance"))]
+    shapes = [t.shape for t in [xt] + vecs]
+    if all(sh.is_fully_defined() for sh in shapes):
+        _core.validate_forward([sh.as_list() for sh in shapes], data_format, epsilon, factor,
+                               is_training)
+    kw = dict(x=xt, scale=vecs[0], offset=vecs[1], mean=vecs[2], variance=vecs[3],
+              epsilon=epsilon, exponential_avg_factor=factor, data_format=data_format,
+              is_training=is_training, name=name or "FusedBatchNorm")
+    if mode == "Identity":
+        outputs = raw_forward_op(**kw)
+    else:
+        outputs = raw_forward_ex_op(activation_mode=mode, **kw)
+    return FusedBatchNormOutputs(*outputs)
 
 
 # ---- Scope -------------------------------------------------------------------------------
@@ -319,13 +377,160 @@ class FusedBatchNormGrad:
             "%s=%s" % (k, getattr(v, "shape", v)) for k, v in self._outputs._asdict().items())
 
 
-def _flatten_options(options):
+def _flatten_options(options, cls=None):
+    cls = cls or FusedBatchNormGrad
     for opt in options:
         if isinstance(opt, (list, tuple)):
-            yield from _flatten_options(opt)
-        elif isinstance(opt, FusedBatchNormGrad.Options):
+            yield from _flatten_options(opt, cls)
+        elif isinstance(opt, cls.Options):
             yield opt
         else:
-            raise TypeError("options must be FusedBatchNormGrad.Options (from "
-                            "FusedBatchNormGrad.epsilon/data_format/is_training), got %r"
-                            % (opt,))
+            raise TypeError("options must be %s.Options (from its static option builders), "
+                            "got %r" % (cls.__name__, opt))
+
+
+# ---- FusedBatchNorm (Java mirror of the forward) ---------------------------------------------
+
+class FusedBatchNorm:
+    """Mirror of org.tensorflow.op.nn.FusedBatchNorm, backed by our forward op.
+
+    OP_NAME is the op type this class builds, "FbnGrad>FusedBatchNormV3" (TF's
+    "FusedBatchNormV3", Java's OP_NAME, is kept as MIRRORED_OP_NAME); with the extra option
+    activation("relu") it builds "FbnGrad>FusedBatchNormEx" (y = relu(batch_norm(x))).
+    Gradients flow through either, to our backward.
+    """
+
+    OP_NAME = FORWARD_OP_NAME
+    EX_OP_NAME = FORWARD_EX_OP_NAME
+    MIRRORED_OP_NAME = "FusedBatchNormV3"
+    DEFAULT_NAME = "FusedBatchNorm"
+    _ATTRS = ("epsilon", "exponential_avg_factor", "data_format", "is_training", "activation")
+    _DEFAULTS = {"epsilon": 0.0001, "exponential_avg_factor": 1.0, "data_format": "NHWC",
+                 "is_training": True, "activation": None}
+
+    class Options:
+        """Optional attributes; unset fields keep the op defaults (epsilon 1e-4,
+        exponential_avg_factor 1.0, "NHWC", is_training True, no activation)."""
+
+        def __init__(self):
+            self._values = {}
+
+        def epsilon(self, epsilon):
+            self._values["epsilon"] = _check_epsilon(epsilon)
+            return self
+
+        def exponential_avg_factor(self, factor):
+            self._values["exponential_avg_factor"] = _check_factor(factor)
+            return self
+
+        def data_format(self, data_format):
+            self._values["data_format"] = _check_data_format(data_format)
+            return self
+
+        def is_training(self, is_training):
+            self._values["is_training"] = _check_is_training(is_training)
+            return self
+
+        def activation(self, activation):
+            _check_activation(activation)
+            self._values["activation"] = activation
+            return self
+
+        exponentialAvgFactor = exponential_avg_factor
+        dataFormat = data_format
+        isTraining = is_training
+
+        def __repr__(self):
+            return "FusedBatchNorm.Options(%s)" % ", ".join(
+                "%s=%r" % kv for kv in sorted(self._values.items()))
+
+    @staticmethod
+    def epsilon(epsilon):
+        return FusedBatchNorm.Options().epsilon(epsilon)
+
+    @staticmethod
+    def exponential_avg_factor(factor):
+        return FusedBatchNorm.Options().exponential_avg_factor(factor)
+
+    @staticmethod
+    def data_format(data_format):
+        return FusedBatchNorm.Options().data_format(data_format)
+
+    @staticmethod
+    def is_training(is_training):
+        return FusedBatchNorm.Options().is_training(is_training)
+
+    @staticmethod
+    def activation(activation):
+        return FusedBatchNorm.Options().activation(activation)
+
+    exponentialAvgFactor = exponential_avg_factor
+    dataFormat = data_format
+    isTraining = is_training
+
+    @classmethod
+    def create(cls, scope, x, scale, offset, mean, variance, *options):
+        """Builds the op in `scope` (None = current context). Options are applied in order;
+        a later value of the same attribute wins, as in Java."""
+        if scope is None:
+            scope = Scope()
+        if not isinstance(scope, Scope):
+            raise TypeError("scope must be a fbn_grad_tf.Scope or None, got %r" % (scope,))
+        attrs = dict(cls._DEFAULTS)
+        for opt in _flatten_options(options, cls):
+            attrs.update(opt._values)
+        with scope.context():
+            outputs = fused_batch_norm_v3(x, scale, offset, mean, variance,
+                                          name=scope.make_op_name(cls.DEFAULT_NAME), **attrs)
+        return cls(outputs)
+
+    def __init__(self, outputs):
+        self._outputs = FusedBatchNormOutputs(*outputs)
+
+    @property
+    def op(self):
+        """The tf.Operation in graph mode (None in eager mode)."""
+        try:
+            return self._outputs.y.op
+        except AttributeError:
+            return None
+
+    def y(self):
+        return self._outputs.y
+
+    def batch_mean(self):
+        return self._outputs.batch_mean
+
+    def batch_variance(self):
+        return self._outputs.batch_variance
+
+    def reserve_space_1(self):
+        return self._outputs.reserve_space_1
+
+    def reserve_space_2(self):
+        return self._outputs.reserve_space_2
+
+    def reserve_space_3(self):
+        return self._outputs.reserve_space_3
+
+    batchMean = batch_mean
+    batchVariance = batch_variance
+    reserveSpace1 = reserve_space_1
+    reserveSpace2 = reserve_space_2
+    reserveSpace3 = reserve_space_3
+
+    def outputs(self):
+        return self._outputs
+
+    def __iter__(self):
+        return iter(self._outputs)
+
+    def __len__(self):
+        return len(self._outputs)
+
+    def __getitem__(self, i):
+        return self._outputs[i]
+
+    def __repr__(self):
+        return "FusedBatchNorm(%s)" % ", ".join(
+            "%s=%s" % (k, getattr(v, "shape", v)) for k, v in self._outputs._asdict().items())

@@ -3,6 +3,7 @@
 #ifndef FBN_GRAD_TF_CORE_CPU_BN_GRAD_CPU_KERNELS_H_
 #define FBN_GRAD_TF_CORE_CPU_BN_GRAD_CPU_KERNELS_H_
 
+#include "../bn_forward.h"
 #include "../bn_grad.h"
 
 namespace fbn {
@@ -18,6 +19,10 @@ struct KernelSet {
                 const float* sum_dy_xmu, float count, const TaskRunner&);
 };
 
+// The forward of one ISA path for one element type (bn_forward_cpu_kernels.inc).
+template <typename T>
+using ForwardKernel = void (*)(const BnForwardParams&, const BnForwardArgs<T>&, const TaskRunner&);
+
 }  // namespace cpu
 
 #define FBN_DECLARE_ISA_KERNELS(ns)        \
@@ -27,6 +32,11 @@ struct KernelSet {
   extern template cpu::KernelSet<float> Kernels<float>();             \
   extern template cpu::KernelSet<half_t> Kernels<half_t>();           \
   extern template cpu::KernelSet<bfloat16_t> Kernels<bfloat16_t>();   \
+  template <typename T>                    \
+  cpu::ForwardKernel<T> ForwardKernel();   \
+  extern template cpu::ForwardKernel<float> ForwardKernel<float>();           \
+  extern template cpu::ForwardKernel<half_t> ForwardKernel<half_t>();         \
+  extern template cpu::ForwardKernel<bfloat16_t> ForwardKernel<bfloat16_t>(); \
   }
 FBN_DECLARE_ISA_KERNELS(baseline)
 FBN_DECLARE_ISA_KERNELS(avx2)

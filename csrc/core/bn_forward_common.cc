@@ -1,0 +1,77 @@
+// The forward's validation and its dispatch to the per-ISA CPU kernels.
+#include <cmath>
+#include <sstream>
+
+#include "bn_forward.h"
+#include "cpu/bn_grad_cpu_kernels.h"
+
+namespace fbn {
+
+bool ParseActivation(const std::string& s, Activation* out) {
+  if (s == "Identity") *out = Activation::kIdentity;
+  else if (s == "Relu") *out = Activation::kRelu;
+  else return false;
+  return true;
+}
+
+ValidationResult ValidateBnForwardInputs(const std::vector<int64_t>& x_dims,
+                                         const std::vector<int64_t>& scale_dims,
+                                         const std::vector<int64_t>& offset_dims,
+                                         const std::vector<int64_t>& mean_dims,
+                                         const std::vector<int64_t>& variance_dims,
+                                         DataFormat format, float epsilon,
+                                         float exponential_avg_factor, bool is_training) {
+  const auto fail = [](const std::string& msg) {
+    ValidationResult r;
+    r.ok = false;
+    r.error = msg;
+    return r;
+  };
+  const int rank = DataFormatRank(format);
+  if (static_cast<int>(x_dims.size()) != rank) {
+    return fail("x must be " + std::to_string(rank) + "-dimensional for data_format " +
+                DataFormatName(format) + ", got shape " + ShapeString(x_dims));
+  }
+  if (!std::isfinite(exponential_avg_factor)) {
+    std::ostringstream os;
+    os << "exponential_avg_factor must be a finite number, got " << exponential_avg_factor;
+    return fail(os.str());
+  }
+  // Like TF: training with exponential_avg_factor == 1 never reads the running statistics,
+  // so they may be empty ([0]) tensors; otherwise they are [C] like scale and offset.
+  const bool reads_running = !is_training || exponential_avg_factor != 1.0f;
+  const auto empty = [](const std::vector<int64_t>& d) { return d.size() == 1 && d[0] == 0; };
+  std::vector<NamedDims> vecs = {{"scale", &scale_dims}, {"offset", &offset_dims}};
+  if (reads_running || !empty(mean_dims)) vecs.push_back({"mean", &mean_dims});
+  if (reads_running || !empty(variance_dims)) vecs.push_back({"variance", &variance_dims});
+  // x stands in for y_backprop: the shared checks then cover x, the [C] vectors, epsilon
+  // and the canonical shape.
+  return ValidateBnInputs(x_dims, x_dims, vecs, format, epsilon);
+}
+
+namespace {
+template <typename T>
+cpu::ForwardKernel<T> ForwardKernelFor(CpuIsa isa) {
+  switch (CpuSupports(isa) ? isa : DefaultCpuIsa()) {
+    case CpuIsa::kAvx512: return avx512::ForwardKernel<T>();
+    case CpuIsa::kAvx2: return avx2::ForwardKernel<T>();
+    case CpuIsa::kBaseline: break;
+  }
+  return baseline::ForwardKernel<T>();
+}
+}  // namespace
+
+template <typename T>
+void BnForwardCpu(const BnForwardParams& params, const BnForwardArgs<T>& args,
+                  const TaskRunner& runner, CpuIsa isa) {
+  ForwardKernelFor<T>(isa)(params, args, runner);
+}
+
+template void BnForwardCpu<float>(const BnForwardParams&, const BnForwardArgs<float>&,
+                                  const TaskRunner&, CpuIsa);
+template void BnForwardCpu<half_t>(const BnForwardParams&, const BnForwardArgs<half_t>&,
+                                   const TaskRunner&, CpuIsa);
+template void BnForwardCpu<bfloat16_t>(const BnForwardParams&, const BnForwardArgs<bfloat16_t>&,
+                                       const TaskRunner&, CpuIsa);
+
+}  // namespace fbn

@@ -1,0 +1,193 @@
+// Internal helpers shared by the CUDA sources of the core (bn_grad_cuda.cu and
+// bn_forward_cuda.cu): element-type traits, vector loads/stores, warp sums and the
+// shape-only chunking. Not a public header: include it from .cu files only.
+#ifndef FBN_GRAD_TF_CORE_CUDA_COMMON_CUH_
+#define FBN_GRAD_TF_CORE_CUDA_COMMON_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "bn_grad.h"
+
+namespace fbn {
+namespace cuda_detail {
+
+constexpr int kThreads = 256;               // threads per block of every kernel
+constexpr int64_t kTargetBlocks = 1024;     // roughly one full wave on a large GPU
+constexpr int64_t kMinBlockElems = 4096;    // least work of a reduction block
+constexpr int64_t kNominalTile = 128;       // channels-last: channels per tile (for G only)
+constexpr int64_t kChunkAlign = 8;          // channels-first chunk: multiple of any VEC
+constexpr int64_t kMaxGrid = int64_t{1} << 30;
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------------------
+// Element types.
+template <typename T>
+struct Dev;
+template <>
+struct Dev<float> {
+  using Raw = float;
+  static __device__ __forceinline__ float ToF(float v) { return v; }
+  static __device__ __forceinline__ float FromF(float v) { return v; }
+};
+template <>
+struct Dev<half_t> {
+  using Raw = unsigned short;
+  static __device__ __forceinline__ float ToF(unsigned short b) {
+    return __half2float(__ushort_as_half(b));
+  }
+  static __device__ __forceinline__ unsigned short FromF(float f) {
+    return __half_as_ushort(__float2half_rn(f));
+  }
+};
+template <>
+struct Dev<bfloat16_t> {
+  using Raw = unsigned short;
+  static __device__ __forceinline__ float ToF(unsigned short b) {
+    return __bfloat162float(__ushort_as_bfloat16(b));
+  }
+  static __device__ __forceinline__ unsigned short FromF(float f) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+};
+
+template <int kBytes>
+struct Bits;
+template <>
+struct Bits<2> {
+  using type = unsigned short;
+};
+template <>
+struct Bits<4> {
+  using type = unsigned int;
+};
+template <>
+struct Bits<8> {
+  using type = uint2;
+};
+template <>
+struct Bits<16> {
+  using type = uint4;
+};
+
+// Loads VEC contiguous elements as floats: one vector load when `aligned`, else VEC
+// scalar loads. Both give the same values, so alignment never changes results.
+template <typename T, int VEC>
+__device__ __forceinline__ void LoadVec(const typename Dev<T>::Raw* p, bool aligned,
+                                        float (&out)[VEC]) {
+  using Raw = typename Dev<T>::Raw;
+  if (VEC == 1 || aligned) {
+    using V = typename Bits<sizeof(Raw) * VEC>::type;
+    union {
+      V v;
+      Raw r[VEC];
+    } u;
+    u.v = __ldg(reinterpret_cast<const V*>(p));
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) out[v] = Dev<T>::ToF(u.r[v]);
+  } else {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) out[v] = Dev<T>::ToF(__ldg(p + v));
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void StoreVec(typename Dev<T>::Raw* p, bool aligned,
+                                         const float (&in)[VEC]) {
+  using Raw = typename Dev<T>::Raw;
+  if (VEC == 1 || aligned) {
+    using V = typename Bits<sizeof(Raw) * VEC>::type;
+    union {
+      V v;
+      Raw r[VEC];
+    } u;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) u.r[v] = Dev<T>::FromF(in[v]);
+    *reinterpret_cast<V*>(p) = u.v;
+  } else {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) p[v] = Dev<T>::FromF(in[v]);
+  }
+}
+
+__device__ __forceinline__ float WarpSum(float s) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffffu, s, off);
+  return s;  // complete in lane 0
+}
+
+// ---------------------------------------------------------------------------------------
+// Host side: chunking, a function of the shape alone (not of T, the device or the
+// pointers), so every reduction order is fixed by the shape. See docs/GPU.md.
+struct ChunkPlan {
+  bool channels_last = true;
+  int64_t M = 0;      // rows (channels-last) or elements per channel (channels-first)
+  int64_t G = 1;      // chunks per channel
+  int64_t chunk = 0;  // rows or elements per chunk (the last chunk may be shorter)
+};
+
+inline ChunkPlan MakeChunkPlan(const BnShape& s) {
+  ChunkPlan plan;
+  if (s.elements() <= 0 || s.channels <= 0) return plan;
+  const int64_t C = s.channels;
+  plan.channels_last = s.inner == 1;
+  if (plan.channels_last) {
+    plan.M = s.outer;
+    const int64_t tiles = CeilDiv(C, kNominalTile);
+    const int64_t g_max = std::max<int64_t>(1, CeilDiv(plan.M * std::min(C, kNominalTile),
+                                                       kMinBlockElems));
+    int64_t g = std::min(std::max<int64_t>(1, CeilDiv(kTargetBlocks, tiles)), g_max);
+    g = std::min(g, plan.M);
+    plan.chunk = CeilDiv(plan.M, g);
+    plan.G = CeilDiv(plan.M, plan.chunk);
+  } else {
+    plan.M = s.outer * s.inner;
+    const int64_t g_max = std::max<int64_t>(1, CeilDiv(plan.M, kMinBlockElems));
+    const int64_t g = std::min(std::max<int64_t>(1, CeilDiv(kTargetBlocks, C)), g_max);
+    plan.chunk = CeilDiv(CeilDiv(plan.M, g), kChunkAlign) * kChunkAlign;
+    plan.G = CeilDiv(plan.M, plan.chunk);
+  }
+  return plan;
+}
+
+template <typename T>
+constexpr int MaxVec() {
+  return sizeof(T) == 4 ? 4 : 8;
+}
+
+// Vector width: the largest power of two (up to 16 bytes) dividing `run`, the contiguous
+// run of a thread's elements (C for channels-last, inner for channels-first). It depends
+// on the shape only; misaligned pointers keep it and just use scalar accesses.
+template <typename T>
+int VecWidth(int64_t run) {
+  int vec = MaxVec<T>();
+  while (vec > 1 && run % vec != 0) vec /= 2;
+  return vec;
+}
+
+inline bool Aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+inline int GridFor(int64_t blocks) {
+  return static_cast<int>(std::max<int64_t>(1, std::min(blocks, kMaxGrid)));
+}
+
+// Threads along the channels of a channels-last block: a power of two, at most 32,
+// covering the C/VEC vectors of a row when it can.
+inline int ChannelsLastBx(int64_t C, int vec) {
+  const int64_t nv = C / vec;
+  int bx = 1;
+  while (bx < 32 && bx < nv) bx *= 2;
+  return bx;
+}
+
+}  // namespace cuda_detail
+}  // namespace fbn
+
+#endif  // FBN_GRAD_TF_CORE_CUDA_COMMON_CUH_

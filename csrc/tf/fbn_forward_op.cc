@@ -1,0 +1,223 @@
+// TensorFlow binding of the forward: FbnGrad>FusedBatchNormV3 (the signature, attributes and
+// shape function of TF's FusedBatchNormV3) and FbnGrad>FusedBatchNormEx (the same plus a
+// fused activation). All math and all input checks live in csrc/core.
+//
+// Reserve spaces, as TF's own kernels on the device the op runs on: reserve_space_1 is the
+// batch mean; reserve_space_2 the biased batch variance on CPU and the inverse standard
+// deviation on GPU (cuDNN's convention), so TF's FusedBatchNormGradV3 and ours both read
+// them correctly; reserve_space_3 is an empty [0] tensor (nothing else is needed).
+#include <cstdint>
+#include <string>
+
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+#include "../core/bn_forward.h"
+#include "tf_binding.h"
+#if FBN_WITH_CUDA
+#include "../core/bn_forward_cuda.h"
+#include "../core/bn_grad_cuda.h"
+#include "xla/stream_executor/stream.h"
+#endif
+
+namespace fbn_tf {
+
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+constexpr char kForwardOpName[] = "FbnGrad>FusedBatchNormV3";
+constexpr char kForwardExOpName[] = "FbnGrad>FusedBatchNormEx";
+
+#define FBN_FORWARD_OP_COMMON                                              \
+  Input("x: T")                                                            \
+      .Input("scale: U")                                                   \
+      .Input("offset: U")                                                  \
+      .Input("mean: U")                                                    \
+      .Input("variance: U")                                                \
+      .Output("y: T")                                                      \
+      .Output("batch_mean: U")                                             \
+      .Output("batch_variance: U")                                         \
+      .Output("reserve_space_1: U")                                        \
+      .Output("reserve_space_2: U")                                        \
+      .Output("reserve_space_3: U")                                        \
+      .Attr("T: {half, bfloat16, float}")                                  \
+      .Attr("U: {float}")                                                  \
+      .Attr("epsilon: float = 0.0001")                                     \
+      .Attr("exponential_avg_factor: float = 1.0")                         \
+      .Attr("data_format: { 'NHWC', 'NCHW', 'NDHWC', 'NCDHW' } = 'NHWC'")  \
+      .Attr("is_training: bool = true")                                    \
+      .SetShapeFn(tensorflow::shape_inference::FusedBatchNormV3Shape)
+
+REGISTER_OP("FbnGrad>FusedBatchNormV3")
+    .FBN_FORWARD_OP_COMMON
+    .Doc(R"doc(
+Batch-normalization forward with the semantics of FusedBatchNormV3, computed by
+fbn_grad_tf's own kernels (training statistics in one read of x, deterministic).
+reserve_space_2 holds the biased batch variance on CPU and 1/sqrt(var + epsilon) on GPU,
+like TF's own kernels; reserve_space_3 is an empty [0] tensor.
+)doc");
+
+REGISTER_OP("FbnGrad>FusedBatchNormEx")
+    .FBN_FORWARD_OP_COMMON
+    .Attr("activation_mode: { 'Identity', 'Relu' } = 'Identity'")
+    .Doc(R"doc(
+FbnGrad>FusedBatchNormV3 followed by an activation, in the same pass over the data:
+y = relu(batch_norm(x)) with activation_mode "Relu" (NaN stays NaN). Its gradient is
+FbnGrad>FusedBatchNormGradEx, which reads y.
+)doc");
+#undef FBN_FORWARD_OP_COMMON
+
+// Shared by the CPU and GPU kernels: attrs, validation, output allocation.
+class FbnForwardOpBase : public OpKernel {
+ public:
+  explicit FbnForwardOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string format;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &params_.epsilon));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("exponential_avg_factor", &params_.exponential_avg_factor));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("data_format", &format));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("is_training", &params_.is_training));
+    OP_REQUIRES(ctx, fbn::ParseDataFormat(format, &format_),
+                tensorflow::errors::InvalidArgument("Invalid data format: ", format));
+    if (ctx->HasAttr("activation_mode")) {
+      std::string mode;
+      OP_REQUIRES_OK(ctx, ctx->GetAttr("activation_mode", &mode));
+      OP_REQUIRES(ctx, fbn::ParseActivation(mode, &params_.activation),
+                  tensorflow::errors::InvalidArgument("Invalid activation_mode: ", mode));
+    }
+  }
+
+ protected:
+  // Validates the inputs, allocates every output and fills the call's params and pointers.
+  // Returns false if ctx holds an error.
+  template <typename T>
+  bool Prepare(OpKernelContext* ctx, fbn::SavedStat training_stat, fbn::BnForwardParams* params,
+               fbn::BnForwardArgs<typename CoreType<T>::type>* args) {
+    const Tensor& x = ctx->input(0);
+    const fbn::ValidationResult v = fbn::ValidateBnForwardInputs(
+        Dims(x), Dims(ctx->input(1)), Dims(ctx->input(2)), Dims(ctx->input(3)),
+        Dims(ctx->input(4)), format_, params_.epsilon, params_.exponential_avg_factor,
+        params_.is_training);
+    if (!v.ok) {
+      ctx->SetStatus(tensorflow::errors::InvalidArgument(v.error));
+      return false;
+    }
+    const TensorShape vec({v.shape.channels});
+    Tensor *y = nullptr, *batch_mean = nullptr, *batch_var = nullptr, *saved_mean = nullptr,
+           *saved_var = nullptr, *rs3 = nullptr;
+    if (!Allocate(ctx, 0, x.shape(), &y) || !Allocate(ctx, 1, vec, &batch_mean) ||
+        !Allocate(ctx, 2, vec, &batch_var) || !Allocate(ctx, 3, vec, &saved_mean) ||
+        !Allocate(ctx, 4, vec, &saved_var) || !Allocate(ctx, 5, TensorShape({0}), &rs3)) {
+      return false;
+    }
+    *params = params_;
+    params->shape = v.shape;
+    params->saved_stat = training_stat;
+    args->x = CoreData<T>(x);
+    args->scale = ctx->input(1).flat<float>().data();
+    args->offset = ctx->input(2).flat<float>().data();
+    if (params->reads_running_stats()) {
+      args->running_mean = ctx->input(3).flat<float>().data();
+      args->running_var = ctx->input(4).flat<float>().data();
+    }
+    args->y = CoreData<T>(y);
+    args->batch_mean = batch_mean->flat<float>().data();
+    args->batch_variance = batch_var->flat<float>().data();
+    args->saved_mean = saved_mean->flat<float>().data();
+    args->saved_var = saved_var->flat<float>().data();
+    return true;
+  }
+
+ private:
+  static bool Allocate(OpKernelContext* ctx, int i, const TensorShape& s, Tensor** out) {
+    const absl::Status st = ctx->allocate_output(i, s, out);
+    if (!st.ok()) ctx->SetStatus(st);
+    return st.ok();
+  }
+
+  fbn::BnForwardParams params_;  // attrs only; shape and saved_stat are set per call
+  fbn::DataFormat format_ = fbn::DataFormat::kNHWC;
+};
+
+template <typename T>
+class FbnForwardCpuOp : public FbnForwardOpBase {
+ public:
+  using FbnForwardOpBase::FbnForwardOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    fbn::BnForwardParams params;
+    fbn::BnForwardArgs<typename CoreType<T>::type> args;
+    if (!Prepare<T>(ctx, fbn::SavedStat::kVariance, &params, &args)) return;
+    IntraOpRunner runner(ctx);
+    fbn::BnForwardCpu(params, args, runner, fbn::DefaultCpuIsa());
+  }
+};
+
+#define FBN_REGISTER_CPU(T)                                                                 \
+  REGISTER_KERNEL_BUILDER(Name(kForwardOpName)                                              \
+                              .Device(tensorflow::DEVICE_CPU)                               \
+                              .TypeConstraint<T>("T")                                       \
+                              .TypeConstraint<float>("U"),                                  \
+                          FbnForwardCpuOp<T>);                                              \
+  REGISTER_KERNEL_BUILDER(Name(kForwardExOpName)                                            \
+                              .Device(tensorflow::DEVICE_CPU)                               \
+                              .TypeConstraint<T>("T")                                       \
+                              .TypeConstraint<float>("U"),                                  \
+                          FbnForwardCpuOp<T>);
+FBN_REGISTER_CPU(float)
+FBN_REGISTER_CPU(Eigen::half)
+FBN_REGISTER_CPU(Eigen::bfloat16)
+#undef FBN_REGISTER_CPU
+
+#if FBN_WITH_CUDA
+// GPU kernel: reserve_space_2 receives the inverse std (cuDNN's convention, what TF's GPU
+// backward and ours expect). Launched on the op's compute stream.
+template <typename T>
+class FbnForwardGpuOp : public FbnForwardOpBase {
+ public:
+  using FbnForwardOpBase::FbnForwardOpBase;
+  void Compute(OpKernelContext* ctx) override {
+    fbn::BnForwardParams params;
+    fbn::BnForwardArgs<typename CoreType<T>::type> args;
+    if (!Prepare<T>(ctx, fbn::SavedStat::kInvStd, &params, &args)) return;
+    auto* dev_ctx = ctx->op_device_context();
+    OP_REQUIRES(ctx, dev_ctx != nullptr && dev_ctx->stream() != nullptr,
+                tensorflow::errors::Internal("No GPU stream available"));
+    void* stream = dev_ctx->stream()->platform_specific_handle().stream;
+    const size_t ws_bytes = fbn::BnForwardCudaWorkspaceBytes(params);
+    Tensor workspace;
+    void* ws = nullptr;
+    if (ws_bytes > 0) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT8,
+                                             TensorShape({static_cast<int64_t>(ws_bytes)}),
+                                             &workspace));
+      ws = workspace.flat<uint8_t>().data();
+    }
+    const int err = fbn::BnForwardCuda(params, args, ws, ws_bytes, stream);
+    OP_REQUIRES(ctx, err == 0,
+                tensorflow::errors::Internal("fbn_grad_tf CUDA forward launch failed: ",
+                                             fbn::CudaErrorString(err)));
+  }
+};
+
+#define FBN_REGISTER_GPU(T)                                                                 \
+  REGISTER_KERNEL_BUILDER(Name(kForwardOpName)                                              \
+                              .Device(tensorflow::DEVICE_GPU)                               \
+                              .TypeConstraint<T>("T")                                       \
+                              .TypeConstraint<float>("U"),                                  \
+                          FbnForwardGpuOp<T>);                                              \
+  REGISTER_KERNEL_BUILDER(Name(kForwardExOpName)                                            \
+                              .Device(tensorflow::DEVICE_GPU)                               \
+                              .TypeConstraint<T>("T")                                       \
+                              .TypeConstraint<float>("U"),                                  \
+                          FbnForwardGpuOp<T>);
+FBN_REGISTER_GPU(float)
+FBN_REGISTER_GPU(Eigen::half)
+FBN_REGISTER_GPU(Eigen::bfloat16)
+#undef FBN_REGISTER_GPU
+#endif  // FBN_WITH_CUDA
+
+}  // namespace fbn_tf
