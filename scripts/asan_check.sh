@@ -3,7 +3,7 @@
 #
 # 1. Copies the working tree (tracked files plus untracked, non-ignored ones: uncommitted
 #    edits included) to a scratch directory, so the in-place build in the repository (and
-#    its python/fbn_grad_tf/_build_info.py) is never touched.
+#    its compiled extensions) is never touched.
 # 2. Builds only the pybind11 core module there with FBN_GRAD_TF_BUILD=core
 #    FBN_GRAD_TF_ASAN=1 (setup.py adds -fsanitize=address -fno-omit-frame-pointer -O1).
 # 3. Runs the core fuzz of tests/test_hardening_fuzz.py (NumPy path, TensorFlow never

@@ -218,7 +218,9 @@ def test_saved_model_of_use_for_gradients_tagged_ops(tmp_path):
     class M(tf.Module):
         @tf.function(input_signature=[tf.TensorSpec([None, 4, 4, 3], tf.float32)])
         def f(self, x):
-            with fbn_grad_tf.use_for_gradients():
+            # forward=False: TF's forward op, tagged (with the default forward=True the op
+            # is our forward, whose gradient is registered by type and saves normally).
+            with fbn_grad_tf.use_for_gradients(forward=False):
                 return tf.compat.v1.nn.fused_batch_norm(x, scale, offset)[0]
 
     path = os.path.join(str(tmp_path), "tagged")

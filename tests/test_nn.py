@@ -212,15 +212,25 @@ def test_use_for_gradients_eager_tape(monkeypatch):
     assert count.calls == 1
     for a, b in zip(ours, ref):
         _close(a, b, rtol=1e-4, atol=1e-4)
-    # Eager tapes look the gradient up when tape.gradient runs: outside the block, TF's.
+    # Eager tapes look the gradient up when tape.gradient runs: for TF's forward op
+    # (forward=False) outside the block that is TF's gradient ...
     x, scale, offset, _, _, w = data
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with fbn_grad_tf.use_for_gradients(forward=False):
+            y = _tf_bn(x, scale, offset, data_format="NCHW")[0]
+        loss = tf.reduce_sum(y * w)
+    tape.gradient(loss, x)
+    assert count.calls == 1
+    # ... while a forward built in the block (forward=True) is our op, whose gradient is ours
+    # wherever it is taken.
     with tf.GradientTape() as tape:
         tape.watch(x)
         with fbn_grad_tf.use_for_gradients():
             y = _tf_bn(x, scale, offset, data_format="NCHW")[0]
         loss = tf.reduce_sum(y * w)
     tape.gradient(loss, x)
-    assert count.calls == 1
+    assert count.calls == 2
 
 
 def test_use_for_gradients_tape_inside_tf_function():
@@ -326,3 +336,39 @@ def test_use_for_gradients_restores_registry():
     assert reg.lookup("FusedBatchNormV3") is original
     with pytest.raises(ValueError):
         fbn_grad_tf.use_for_gradients(op_types=["Conv2D"])
+
+
+def test_use_for_gradients_builds_our_forward_while_active():
+    """forward=True (default): TF's Python builder of FusedBatchNormV3 makes our op inside the
+    block (restored on exit, also after an exception); forward=False keeps TF's op."""
+    from tensorflow.python.ops import gen_nn_ops
+    original = gen_nn_ops.fused_batch_norm_v3
+    data = _data("NHWC")
+
+    def step_types(**kw):
+        @tf.function
+        @fbn_grad_tf.use_for_gradients(**kw)
+        def step():
+            return _grads(_tf_bn, *data, "NHWC", True)
+        return all_op_types(step.get_concrete_function().graph), step()
+
+    ours_types, ours = step_types()
+    assert {"FbnGrad>FusedBatchNormV3", OURS} <= ours_types
+    assert not {"FusedBatchNormV3", TFS} & ours_types
+    tf_types, theirs = step_types(forward=False)
+    assert "FusedBatchNormV3" in tf_types and "FbnGrad>FusedBatchNormV3" not in tf_types
+    for a, b in zip(ours, theirs):
+        _close(a, b, rtol=1e-4, atol=1e-4)
+    assert gen_nn_ops.fused_batch_norm_v3 is original
+    with pytest.raises(RuntimeError):
+        with fbn_grad_tf.use_for_gradients():
+            assert gen_nn_ops.fused_batch_norm_v3 is not original
+            raise RuntimeError("boom")
+    assert gen_nn_ops.fused_batch_norm_v3 is original
+    # Eager: the same outputs as TF's forward, to float rounding.
+    x, scale, offset = data[:3]
+    with fbn_grad_tf.use_for_gradients():
+        y_ours = _tf_bn(x, scale, offset, epsilon=1e-3)
+    y_tf = _tf_bn(x, scale, offset, epsilon=1e-3)
+    for a, b in zip(y_ours, y_tf):
+        _close(a, b, rtol=2e-6, atol=2e-6)

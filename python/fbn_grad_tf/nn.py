@@ -242,6 +242,53 @@ def _patched_gradient_registry(op_types):
                         table[t] = saved
 
 
+_forward_patch_depth = 0
+_saved_forward = None
+
+
+def _our_fused_batch_norm_v3(tf_function):
+    """A stand-in for gen_nn_ops.fused_batch_norm_v3 that builds our forward op where it can
+    run (our_forward_available(), float32 statistics, not inside XLA), else TF's."""
+
+    def fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon=0.0001,
+                            exponential_avg_factor=1, data_format="NHWC", is_training=True,
+                            name=None):
+        kw = dict(epsilon=epsilon, exponential_avg_factor=exponential_avg_factor,
+                  data_format=data_format, is_training=is_training, name=name)
+        vecs = [tf.convert_to_tensor(v) for v in (scale, offset, mean, variance)]
+        if (our_forward_available() and not _grads.in_xla_context()
+                and all(v.dtype == tf.float32 for v in vecs)):
+            return _loader.raw_forward_op(x=x, scale=vecs[0], offset=vecs[1], mean=vecs[2],
+                                          variance=vecs[3], **kw)
+        return tf_function(x, *vecs, **kw)
+
+    fused_batch_norm_v3.__wrapped__ = tf_function
+    return fused_batch_norm_v3
+
+
+@contextlib.contextmanager
+def _patched_forward():
+    """While active, TF's Python builder of FusedBatchNormV3 ops (gen_nn_ops, used by
+    tf.compat.v1.nn.fused_batch_norm, tf.nn.fused_batch_norm and tf_keras' fused layer)
+    builds our forward op instead. Reference-counted and process-global, like the
+    registry patch."""
+    from tensorflow.python.ops import gen_nn_ops
+    global _forward_patch_depth, _saved_forward
+    with _patch_lock:
+        if _forward_patch_depth == 0:
+            _saved_forward = gen_nn_ops.fused_batch_norm_v3
+            gen_nn_ops.fused_batch_norm_v3 = _our_fused_batch_norm_v3(_saved_forward)
+        _forward_patch_depth += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _forward_patch_depth -= 1
+            if _forward_patch_depth == 0:
+                gen_nn_ops.fused_batch_norm_v3 = _saved_forward
+                _saved_forward = None
+
+
 def registry_patched(op_type="FusedBatchNormV3"):
     """True while a use_for_gradients() context has swapped `op_type`'s gradient function."""
     return _patch_depth[op_type] > 0
@@ -262,7 +309,15 @@ class use_for_gradients(contextlib.ContextDecorator):  # noqa: N801 (reads like 
         @fbn_grad_tf.use_for_gradients()
         def train_step(...): ...
 
-    Two mechanisms, both on by default:
+    Three mechanisms, all on by default:
+
+    forward=True
+        While the block is active, FusedBatchNormV3 ops built from Python through TF's
+        builder (tf.compat.v1.nn.fused_batch_norm, tf.nn.fused_batch_norm, tf_keras' fused
+        BatchNormalization; not tf.raw_ops.FusedBatchNormV3, which is bound at import) are
+        our forward op "FbnGrad>FusedBatchNormV3" instead (same signature and outputs; its
+        gradient is ours), where our forward can run (see our_forward_available()).
+        Process-global while active, like registry=True.
 
     graph=True
         If entered while a graph is being built (inside tf.function tracing, or in a TF1
@@ -292,7 +347,7 @@ class use_for_gradients(contextlib.ContextDecorator):  # noqa: N801 (reads like 
     used (one-time warning).
     """
 
-    def __init__(self, graph=True, registry=True, op_types=_FORWARD_OPS):
+    def __init__(self, graph=True, registry=True, op_types=_FORWARD_OPS, forward=True):
         op_types = (op_types,) if isinstance(op_types, str) else tuple(op_types)
         for t in op_types:
             if t not in _grads.FORWARD_GRAD_NAMES:
@@ -300,11 +355,12 @@ class use_for_gradients(contextlib.ContextDecorator):  # noqa: N801 (reads like 
         self._graph = bool(graph)
         self._registry = bool(registry)
         self._op_types = op_types
+        self._forward = bool(forward) and "FusedBatchNormV3" in op_types
         self._stacks = threading.local()
 
     def _recreate_cm(self):
         # Decorator use: a fresh context per call (reentrancy, recursion, threads).
-        return use_for_gradients(self._graph, self._registry, self._op_types)
+        return use_for_gradients(self._graph, self._registry, self._op_types, self._forward)
 
     def __enter__(self):
         stack = contextlib.ExitStack()
@@ -315,6 +371,8 @@ class use_for_gradients(contextlib.ContextDecorator):  # noqa: N801 (reads like 
                     {t: _grads.FORWARD_GRAD_NAMES[t] for t in self._op_types}))
             if self._registry:
                 stack.enter_context(_patched_gradient_registry(self._op_types))
+            if self._forward:
+                stack.enter_context(_patched_forward())
         except BaseException:
             stack.close()
             raise
