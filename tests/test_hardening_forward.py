@@ -1,0 +1,176 @@
+"""Property-based fuzzing of the forward op "FbnGrad>FusedBatchNormV3" (hypothesis).
+
+Random shapes (zero sizes, wrong ranks, wrong or empty vector sizes), dtypes, all four data
+formats, training (with exponential_avg_factor 1 and not) and inference, hostile epsilon
+and exponential_avg_factor values, and data with large offsets. A Python model of the
+validation rules predicts accept or reject:
+
+* reject: the kernel raises InvalidArgumentError naming the argument the model names, and
+  fbn_grad_tf.core.bn_forward raises ValueError with the same message;
+* accept: y and the four statistics match a float64 evaluation of the same formulas within
+  a rounding bound, the op equals core.bn_forward bitwise, and TF's own FusedBatchNormV3
+  agrees wherever it accepts the input.
+
+The loop runs in one child process (tests/subproc.py), so a crash fails the test and names
+the example that was running.
+"""
+import math
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hyp_seed
+from hypothesis import strategies as st
+
+import subproc
+
+FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
+DTYPES = ("float32", "float16", "bfloat16")
+SPECIAL = (1e-3, 0.0, -0.0, 1e-45, 1.0, 1e10, -1e-3, float("nan"), float("inf"), 1e39)
+FACTORS = (1.0, 0.3, 0.0, 2.0, -1.0, float("nan"), float("inf"))
+SEED = int(os.environ.get("FBN_FUZZ_SEED", "0"))
+
+
+@st.composite
+def examples(draw):
+    fmt = draw(st.sampled_from(FORMATS))
+    rank = 5 if fmt in ("NDHWC", "NCDHW") else 4
+    x_rank = draw(st.sampled_from([rank] * 6 + [rank - 1, rank + 1]))
+    dims = [draw(st.integers(0, 4) if i == 0 else st.integers(1, 5)) for i in range(x_rank)]
+    c_axis = 1 if fmt in ("NCHW", "NCDHW") else x_rank - 1
+    c = dims[c_axis] if x_rank > c_axis else 3
+    training = draw(st.booleans())
+    factor = draw(st.sampled_from(FACTORS))
+
+    def vec_len():
+        return draw(st.sampled_from([c] * 8 + [0, c + 1]))
+
+    return dict(fmt=fmt, dims=dims, dtype=draw(st.sampled_from(DTYPES)), training=training,
+                factor=factor, epsilon=draw(st.sampled_from(SPECIAL)),
+                lens=[vec_len() for _ in range(4)], loc=draw(st.sampled_from([0.0, 3.0, 1e3])),
+                seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+def model_validate(ex):
+    """None if accepted, else the name the error message must contain."""
+    rank = 5 if ex["fmt"] in ("NDHWC", "NCDHW") else 4
+    dims = ex["dims"]
+    if len(dims) != rank:
+        return "x must be %d-dimensional" % rank
+    if not math.isfinite(ex["factor"]):
+        return "exponential_avg_factor"
+    c = dims[1] if ex["fmt"] in ("NCHW", "NCDHW") else dims[-1]
+    reads_running = not ex["training"] or ex["factor"] != 1.0
+    for name, n in zip(("scale", "offset", "mean", "variance"), ex["lens"]):
+        if name in ("mean", "variance") and not reads_running and n == 0:
+            continue
+        if n != c:
+            return name
+    eps = np.float32(ex["epsilon"])
+    if not np.isfinite(eps) or np.signbit(eps) and eps != 0:
+        return "epsilon"
+    return None
+
+
+def reference(x, scale, offset, mean, var, fmt, training, factor, eps):
+    x64 = x.astype(np.float64)
+    c_axis = 1 if fmt in ("NCHW", "NCDHW") else x.ndim - 1
+    axes = tuple(i for i in range(x.ndim) if i != c_axis)
+    bshape = [1] * x.ndim
+    bshape[c_axis] = -1
+    if training:
+        m = x64.size // max(scale.size, 1)
+        mu, v = x64.mean(axis=axes), x64.var(axis=axes)
+        unb = v * m / max(m - 1, 1)
+        bm = mu if factor == 1.0 else (1 - factor) * mean + factor * mu
+        bv = unb if factor == 1.0 else (1 - factor) * var + factor * unb
+    else:
+        mu, v = mean.astype(np.float64), var.astype(np.float64)
+        bm, bv = mu, v
+    a = scale / np.sqrt(v + np.float64(np.float32(eps)))
+    y = (x64 - mu.reshape(bshape)) * a.reshape(bshape) + offset.reshape(bshape)
+    return y, bm, bv, mu, v
+
+
+def run_forward_fuzz(cfg):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import ml_dtypes
+    import tensorflow as tf
+    from fbn_grad_tf import _loader, core
+    np_dt = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+    stats = {"examples": 0, "rejected_as_expected": 0, "compared_tf": 0}
+
+    @settings(max_examples=cfg["examples"], deadline=None, database=None, derandomize=False,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @hyp_seed(cfg["seed"])
+    @given(examples())
+    def check(ex):
+        subproc.note(ex)
+        stats["examples"] += 1
+        rng = np.random.default_rng(ex["seed"])
+        x = (ex["loc"] + rng.standard_normal(ex["dims"])).astype(np.float32)
+        x = x.astype(np_dt[ex["dtype"]])
+        vecs = [rng.uniform(0.5, 1.5, n).astype(np.float32) for n in ex["lens"]]
+        kw = dict(x=x, scale=vecs[0], offset=vecs[1] - 1.0, mean=vecs[2], variance=vecs[3],
+                  epsilon=ex["epsilon"], exponential_avg_factor=ex["factor"],
+                  data_format=ex["fmt"], is_training=ex["training"])
+        expect = model_validate(ex)
+        if expect is not None:
+            try:
+                _loader.raw_forward_op(**kw)
+            except tf.errors.InvalidArgumentError as e:
+                assert expect in str(e), (expect, str(e))
+            else:
+                raise AssertionError("accepted, expected a rejection naming %r" % expect)
+            try:
+                core.bn_forward(**kw)
+            except ValueError as e:
+                assert expect in str(e), (expect, str(e))
+            else:
+                raise AssertionError("core accepted, expected %r" % expect)
+            stats["rejected_as_expected"] += 1
+            return
+        ours = [t.numpy() for t in _loader.raw_forward_op(**kw)]
+        mine = core.bn_forward(**kw)
+        for a, b in zip(ours[:5], mine):
+            assert np.array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8)), "op != core"
+        if x.size == 0:
+            assert all(np.isnan(ours[i]).all() for i in (1, 2))
+            assert all((ours[i] == 0).all() for i in (3, 4))
+            return
+        ref = reference(x, vecs[0], vecs[1] - 1.0, vecs[2], vecs[3], ex["fmt"], ex["training"],
+                        ex["factor"], ex["epsilon"])
+        y = ours[0].astype(np.float64)
+        out_eps = {"float32": 2e-6, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}[ex["dtype"]]
+        # x - mean carries float32 rounding of |x| (large offsets): scaled by |a|.
+        a_mag = np.max(np.abs(vecs[0])) / math.sqrt(max(float(np.min(ref[4])), 0.0)
+                                                   + float(np.float32(ex["epsilon"])))
+        bound = (out_eps * np.abs(ref[0]) + 4e-7 * (abs(ex["loc"]) + 8) * a_mag
+                 + out_eps * (1 + np.max(np.abs(ref[0]))) * 1e-2)
+        if np.all(np.isfinite(ref[0])):
+            assert np.all(np.abs(y - ref[0]) <= bound), "y off by %g" % np.max(np.abs(y - ref[0]))
+        for got, want, name in zip(ours[1:5], ref[1:5], ("bm", "bv", "rs1", "rs2")):
+            scale = np.abs(want) + (abs(ex["loc"]) + 1.0) * 1e-3 + 1e-6
+            assert np.all(np.abs(got - want) <= 1e-4 * scale), name
+        try:
+            theirs = [t.numpy() for t in tf.raw_ops.FusedBatchNormV3(**kw)]
+        except tf.errors.InvalidArgumentError:
+            return
+        stats["compared_tf"] += 1
+        for got, want in zip(ours[1:3], theirs[1:3]):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * (abs(ex["loc"]) + 1))
+
+    check()
+    return stats
+
+
+def test_fuzz_forward_op():
+    n = int(os.environ.get("FBN_FUZZ_EXAMPLES", 600))
+    (o,) = subproc.run_cases("test_hardening_forward:run_forward_fuzz",
+                             [{"examples": n, "seed": SEED}], timeout=900)
+    assert o.status == "ok", "fuzz failed (%s): %s\nlast example: %r" % (
+        o.status, o.message or o.detail, o.last_note)
+    stats = o.value
+    assert stats["examples"] >= min(n, 500)
+    assert stats["rejected_as_expected"] > 0.1 * stats["examples"]
+    assert stats["compared_tf"] > 0.1 * stats["examples"]
