@@ -35,18 +35,18 @@ SEED = int(os.environ.get("FBN_FUZZ_SEED", "0"))
 def examples(draw):
     fmt = draw(st.sampled_from(FORMATS))
     rank = 5 if fmt in ("NDHWC", "NCDHW") else 4
-    x_rank = draw(st.sampled_from([rank] * 6 + [rank - 1, rank + 1]))
+    x_rank = draw(st.sampled_from([rank] * 16 + [rank - 1, rank + 1]))
     dims = [draw(st.integers(0, 4) if i == 0 else st.integers(1, 5)) for i in range(x_rank)]
     c_axis = 1 if fmt in ("NCHW", "NCDHW") else x_rank - 1
     c = dims[c_axis] if x_rank > c_axis else 3
     training = draw(st.booleans())
-    factor = draw(st.sampled_from(FACTORS))
+    factor = draw(st.sampled_from((1.0,) * 6 + (0.3,) * 4 + FACTORS))
 
     def vec_len():
-        return draw(st.sampled_from([c] * 8 + [0, c + 1]))
+        return draw(st.sampled_from([c] * 30 + [0, c + 1]))
 
     return dict(fmt=fmt, dims=dims, dtype=draw(st.sampled_from(DTYPES)), training=training,
-                factor=factor, epsilon=draw(st.sampled_from(SPECIAL)),
+                factor=factor, epsilon=draw(st.sampled_from((1e-3,) * 12 + SPECIAL)),
                 lens=[vec_len() for _ in range(4)], loc=draw(st.sampled_from([0.0, 3.0, 1e3])),
                 seed=draw(st.integers(0, 2 ** 31 - 1)))
 
@@ -173,4 +173,4 @@ def test_fuzz_forward_op():
     stats = o.value
     assert stats["examples"] >= min(n, 500)
     assert stats["rejected_as_expected"] > 0.1 * stats["examples"]
-    assert stats["compared_tf"] > 0.1 * stats["examples"]
+    assert stats["compared_tf"] > 0.25 * stats["examples"]
