@@ -290,7 +290,7 @@ def test_layer_mode(tmp_path, capsys, monkeypatch, api, torch_mode):
         assert (cells["PyTorch"] != "n/a") == have_torch
         assert int(cells["reps"]) == 2
     assert ("ours: n/a (needs our forward op)" in printed) == (not has_forward)
-    assert ("PyTorch: n/a (torch not installed)" in printed) == (torch_mode == "missing")
+    assert ("PyTorch: n/a (torch not installed)" in printed) == (not have_torch)
 
     data = json.loads(out.read_text())
     assert data["meta"]["mode"] == "layer"
