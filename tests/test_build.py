@@ -18,6 +18,9 @@ NVCC = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and
                                 "/usr/local/cuda/bin/nvcc")
 OPS = ["FbnGrad>FusedBatchNormGradV3", "FbnGrad>BatchNormGradReduce",
        "FbnGrad>BatchNormGradApply"]
+# Ops with CPU and (when CUDA is compiled in) GPU kernels.
+DEVICE_OPS = ["FbnGrad>FusedBatchNormGradV3", "FbnGrad>FusedBatchNormGradEx",
+              "FbnGrad>FusedBatchNormV3", "FbnGrad>FusedBatchNormEx"]
 
 
 def test_build_info_matches_running_tf():
@@ -36,11 +39,13 @@ def _devices(op):
 
 
 def test_registered_kernels():
-    assert _devices(OPS[0]) == (["CPU", "GPU"] if fbn_grad_tf.build_info.WITH_CUDA else ["CPU"])
+    for op in DEVICE_OPS:
+        assert _devices(op) == (["CPU", "GPU"] if fbn_grad_tf.build_info.WITH_CUDA else ["CPU"]), op
     for op in OPS[1:]:
         assert _devices(op) == ["CPU"]
     # Never on TF's own op name: TF's kernels stay the only ones there.
     assert "FbnGrad" not in str(kernels.get_registered_kernels_for_op("FusedBatchNormGradV3"))
+    assert "FbnGrad" not in str(kernels.get_registered_kernels_for_op("FusedBatchNormV3"))
 
 
 def test_cuda_built_library_runs_on_cpu_only_tf():
