@@ -18,8 +18,6 @@
 #include "tf_binding.h"
 #if FBN_WITH_CUDA
 #include "../core/bn_forward_cuda.h"
-#include "../core/bn_grad_cuda.h"
-#include "xla/stream_executor/stream.h"
 #endif
 
 namespace fbn_tf {
@@ -183,23 +181,10 @@ class FbnForwardGpuOp : public FbnForwardOpBase {
     fbn::BnForwardParams params;
     fbn::BnForwardArgs<typename CoreType<T>::type> args;
     if (!Prepare<T>(ctx, fbn::SavedStat::kInvStd, &params, &args)) return;
-    auto* dev_ctx = ctx->op_device_context();
-    OP_REQUIRES(ctx, dev_ctx != nullptr && dev_ctx->stream() != nullptr,
-                tensorflow::errors::Internal("No GPU stream available"));
-    void* stream = dev_ctx->stream()->platform_specific_handle().stream;
     const size_t ws_bytes = fbn::BnForwardCudaWorkspaceBytes(params);
-    Tensor workspace;
-    void* ws = nullptr;
-    if (ws_bytes > 0) {
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT8,
-                                             TensorShape({static_cast<int64_t>(ws_bytes)}),
-                                             &workspace));
-      ws = workspace.flat<uint8_t>().data();
-    }
-    const int err = fbn::BnForwardCuda(params, args, ws, ws_bytes, stream);
-    OP_REQUIRES(ctx, err == 0,
-                tensorflow::errors::Internal("fbn_grad_tf CUDA forward launch failed: ",
-                                             fbn::CudaErrorString(err)));
+    LaunchOnOpStream(ctx, ws_bytes, "forward", [&](void* ws, void* stream) {
+      return fbn::BnForwardCuda(params, args, ws, ws_bytes, stream);
+    });
   }
 };
 

@@ -17,11 +17,6 @@
 #include "../core/bn_forward.h"
 #include "../core/bn_grad.h"
 #include "tf_binding.h"
-#if FBN_WITH_CUDA
-#include "../core/bn_grad_cuda.h"
-#include "xla/stream_executor/stream.h"
-#endif
-
 namespace fbn_tf {
 
 using tensorflow::OpKernel;
@@ -33,23 +28,27 @@ using tensorflow::TensorShape;
 // The one registered name. Python reads it from the library; keep README in sync.
 constexpr char kOpName[] = "FbnGrad>FusedBatchNormGradV3";
 
+// The signature of FusedBatchNormGradV3 (GradEx appends its input y after these).
+#define FBN_GRAD_OP_COMMON                                                 \
+  Input("y_backprop: T")                                                   \
+      .Input("x: T")                                                       \
+      .Input("scale: float")                                               \
+      .Input("reserve_space_1: U")                                         \
+      .Input("reserve_space_2: U")                                         \
+      .Input("reserve_space_3: U")                                         \
+      .Output("x_backprop: T")                                             \
+      .Output("scale_backprop: U")                                         \
+      .Output("offset_backprop: U")                                        \
+      .Output("reserve_space_4: U")                                        \
+      .Output("reserve_space_5: U")                                        \
+      .Attr("T: {half, bfloat16, float}")                                  \
+      .Attr("U: {float}")                                                  \
+      .Attr("epsilon: float = 0.0001")                                     \
+      .Attr("data_format: { 'NHWC', 'NCHW', 'NDHWC', 'NCDHW' } = 'NHWC'")  \
+      .Attr("is_training: bool = true")
+
 REGISTER_OP("FbnGrad>FusedBatchNormGradV3")
-    .Input("y_backprop: T")
-    .Input("x: T")
-    .Input("scale: float")
-    .Input("reserve_space_1: U")
-    .Input("reserve_space_2: U")
-    .Input("reserve_space_3: U")
-    .Output("x_backprop: T")
-    .Output("scale_backprop: U")
-    .Output("offset_backprop: U")
-    .Output("reserve_space_4: U")
-    .Output("reserve_space_5: U")
-    .Attr("T: {half, bfloat16, float}")
-    .Attr("U: {float}")
-    .Attr("epsilon: float = 0.0001")
-    .Attr("data_format: { 'NHWC', 'NCHW', 'NDHWC', 'NCDHW' } = 'NHWC'")
-    .Attr("is_training: bool = true")
+    .FBN_GRAD_OP_COMMON
     // TF's own shape function for FusedBatchNormGradV3: identical inference by construction.
     .SetShapeFn(tensorflow::shape_inference::FusedBatchNormGradShape)
     .Doc(R"doc(
@@ -66,23 +65,8 @@ shape and ignored. reserve_space_4/5 are empty [0] tensors.
 // tensor); "Identity" is FusedBatchNormGradV3 exactly.
 constexpr char kExOpName[] = "FbnGrad>FusedBatchNormGradEx";
 REGISTER_OP("FbnGrad>FusedBatchNormGradEx")
-    .Input("y_backprop: T")
-    .Input("x: T")
-    .Input("scale: float")
-    .Input("reserve_space_1: U")
-    .Input("reserve_space_2: U")
-    .Input("reserve_space_3: U")
+    .FBN_GRAD_OP_COMMON
     .Input("y: T")
-    .Output("x_backprop: T")
-    .Output("scale_backprop: U")
-    .Output("offset_backprop: U")
-    .Output("reserve_space_4: U")
-    .Output("reserve_space_5: U")
-    .Attr("T: {half, bfloat16, float}")
-    .Attr("U: {float}")
-    .Attr("epsilon: float = 0.0001")
-    .Attr("data_format: { 'NHWC', 'NCHW', 'NDHWC', 'NCDHW' } = 'NHWC'")
-    .Attr("is_training: bool = true")
     .Attr("activation_mode: { 'Identity', 'Relu' } = 'Identity'")
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
       TF_RETURN_IF_ERROR(tensorflow::shape_inference::FusedBatchNormGradShape(c));
@@ -93,6 +77,7 @@ REGISTER_OP("FbnGrad>FusedBatchNormGradEx")
 FusedBatchNormGradV3 of y = activation(batch_norm(x)) (FbnGrad>FusedBatchNormEx): y is that
 forward's output; with activation_mode "Relu" the gradient flows only where y > 0.
 )doc");
+#undef FBN_GRAD_OP_COMMON
 
 // Shared by the CPU and GPU kernels: attrs, validation, output allocation.
 class FbnGradOpBase : public OpKernel {
@@ -414,23 +399,11 @@ class FbnGradGpuOp : public FbnGradOpBase {
   void Compute(OpKernelContext* ctx) override {
     Prepared p;
     if (!Prepare(ctx, fbn::SavedStat::kInvStd, &p)) return;
-    auto* dev_ctx = ctx->op_device_context();
-    OP_REQUIRES(ctx, dev_ctx != nullptr && dev_ctx->stream() != nullptr,
-                tensorflow::errors::Internal("No GPU stream available"));
-    void* stream = dev_ctx->stream()->platform_specific_handle().stream;
+    const auto args = Args<T>(ctx, &p);
     const size_t ws_bytes = fbn::BnGradCudaWorkspaceBytes(p.params);
-    Tensor workspace;
-    void* ws = nullptr;
-    if (ws_bytes > 0) {
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tensorflow::DT_UINT8,
-                                             TensorShape({static_cast<int64_t>(ws_bytes)}),
-                                             &workspace));
-      ws = workspace.flat<uint8_t>().data();
-    }
-    const int err = fbn::BnGradCuda(p.params, Args<T>(ctx, &p), ws, ws_bytes, stream);
-    OP_REQUIRES(ctx, err == 0,
-                tensorflow::errors::Internal("fbn_grad_tf CUDA kernel launch failed: ",
-                                             fbn::CudaErrorString(err)));
+    LaunchOnOpStream(ctx, ws_bytes, "backward", [&](void* ws, void* stream) {
+      return fbn::BnGradCuda(p.params, args, ws, ws_bytes, stream);
+    });
   }
 };
 

@@ -11,6 +11,10 @@
 #include "tensorflow/core/platform/threadpool.h"
 
 #include "../core/bn_grad.h"
+#if FBN_WITH_CUDA
+#include "../core/bn_grad_cuda.h"
+#include "xla/stream_executor/stream.h"
+#endif
 
 namespace fbn_tf {
 
@@ -62,6 +66,33 @@ inline std::vector<int64_t> Dims(const tensorflow::Tensor& t) {
   for (int i = 0; i < t.dims(); ++i) d[i] = t.dim_size(i);
   return d;
 }
+
+#if FBN_WITH_CUDA
+// Runs a core CUDA entry point on the op's compute stream with a temporary workspace of
+// `workspace_bytes`: launch(workspace or nullptr, stream) returns a cudaError_t as int.
+// Sets ctx's status on any failure.
+template <typename Launch>
+void LaunchOnOpStream(tensorflow::OpKernelContext* ctx, size_t workspace_bytes,
+                      const char* what, Launch&& launch) {
+  auto* dev_ctx = ctx->op_device_context();
+  OP_REQUIRES(ctx, dev_ctx != nullptr && dev_ctx->stream() != nullptr,
+              tensorflow::errors::Internal("No GPU stream available"));
+  void* stream = dev_ctx->stream()->platform_specific_handle().stream;
+  tensorflow::Tensor workspace;
+  void* ws = nullptr;
+  if (workspace_bytes > 0) {
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(
+                            tensorflow::DT_UINT8,
+                            tensorflow::TensorShape({static_cast<int64_t>(workspace_bytes)}),
+                            &workspace));
+    ws = workspace.flat<uint8_t>().data();
+  }
+  const int err = launch(ws, stream);
+  OP_REQUIRES(ctx, err == 0,
+              tensorflow::errors::Internal("fbn_grad_tf CUDA ", what, " launch failed: ",
+                                           fbn::CudaErrorString(err)));
+}
+#endif  // FBN_WITH_CUDA
 
 }  // namespace fbn_tf
 

@@ -249,9 +249,45 @@ class Scope:
             self._graph, self._name, "/".join(self._prefix), self._device, len(self._control))
 
 
+# ---- the output side shared by the Java mirrors --------------------------------------------
+
+class _OpOutputs:
+    """Holds an op's outputs (a namedtuple of type _OUTPUTS): the tf.Operation in graph
+    mode, the namedtuple, and sequence access, like the Java classes' Operand lists."""
+
+    _OUTPUTS = None  # set by subclasses
+
+    def __init__(self, outputs):
+        self._outputs = self._OUTPUTS(*outputs)
+
+    @property
+    def op(self):
+        """The tf.Operation in graph mode (None in eager mode)."""
+        try:
+            return self._outputs[0].op
+        except AttributeError:
+            return None
+
+    def outputs(self):
+        return self._outputs
+
+    def __iter__(self):
+        return iter(self._outputs)
+
+    def __len__(self):
+        return len(self._outputs)
+
+    def __getitem__(self, i):
+        return self._outputs[i]
+
+    def __repr__(self):
+        return "%s(%s)" % (type(self).__name__, ", ".join(
+            "%s=%s" % (k, getattr(v, "shape", v)) for k, v in self._outputs._asdict().items()))
+
+
 # ---- FusedBatchNormGrad (Java mirror) ------------------------------------------------------
 
-class FusedBatchNormGrad:
+class FusedBatchNormGrad(_OpOutputs):
     """Mirror of org.tensorflow.op.nn.FusedBatchNormGrad, backed by our op.
 
     OP_NAME is the op type this class builds, "FbnGrad>FusedBatchNormGradV3": our op, with
@@ -259,6 +295,7 @@ class FusedBatchNormGrad:
     as MIRRORED_OP_NAME.
     """
 
+    _OUTPUTS = FusedBatchNormGradOutputs
     OP_NAME = REGISTERED_OP_NAME
     MIRRORED_OP_NAME = "FusedBatchNormGradV3"
     DEFAULT_NAME = "FusedBatchNormGrad"
@@ -328,17 +365,6 @@ class FusedBatchNormGrad:
                 name=scope.make_op_name(cls.DEFAULT_NAME), **attrs)
         return cls(outputs)
 
-    def __init__(self, outputs):
-        self._outputs = FusedBatchNormGradOutputs(*outputs)
-
-    @property
-    def op(self):
-        """The tf.Operation in graph mode (None in eager mode)."""
-        try:
-            return self._outputs.x_backprop.op
-        except AttributeError:
-            return None
-
     def x_backprop(self):
         return self._outputs.x_backprop
 
@@ -360,21 +386,6 @@ class FusedBatchNormGrad:
     reserveSpace4 = reserve_space_4
     reserveSpace5 = reserve_space_5
 
-    def outputs(self):
-        return self._outputs
-
-    def __iter__(self):
-        return iter(self._outputs)
-
-    def __len__(self):
-        return len(self._outputs)
-
-    def __getitem__(self, i):
-        return self._outputs[i]
-
-    def __repr__(self):
-        return "FusedBatchNormGrad(%s)" % ", ".join(
-            "%s=%s" % (k, getattr(v, "shape", v)) for k, v in self._outputs._asdict().items())
 
 
 def _flatten_options(options, cls=None):
@@ -391,7 +402,7 @@ def _flatten_options(options, cls=None):
 
 # ---- FusedBatchNorm (Java mirror of the forward) ---------------------------------------------
 
-class FusedBatchNorm:
+class FusedBatchNorm(_OpOutputs):
     """Mirror of org.tensorflow.op.nn.FusedBatchNorm, backed by our forward op.
 
     OP_NAME is the op type this class builds, "FbnGrad>FusedBatchNormV3" (TF's
@@ -400,6 +411,7 @@ class FusedBatchNorm:
     Gradients flow through either, to our backward.
     """
 
+    _OUTPUTS = FusedBatchNormOutputs
     OP_NAME = FORWARD_OP_NAME
     EX_OP_NAME = FORWARD_EX_OP_NAME
     MIRRORED_OP_NAME = "FusedBatchNormV3"
@@ -484,17 +496,6 @@ class FusedBatchNorm:
                                           name=scope.make_op_name(cls.DEFAULT_NAME), **attrs)
         return cls(outputs)
 
-    def __init__(self, outputs):
-        self._outputs = FusedBatchNormOutputs(*outputs)
-
-    @property
-    def op(self):
-        """The tf.Operation in graph mode (None in eager mode)."""
-        try:
-            return self._outputs.y.op
-        except AttributeError:
-            return None
-
     def y(self):
         return self._outputs.y
 
@@ -519,18 +520,3 @@ class FusedBatchNorm:
     reserveSpace2 = reserve_space_2
     reserveSpace3 = reserve_space_3
 
-    def outputs(self):
-        return self._outputs
-
-    def __iter__(self):
-        return iter(self._outputs)
-
-    def __len__(self):
-        return len(self._outputs)
-
-    def __getitem__(self, i):
-        return self._outputs[i]
-
-    def __repr__(self):
-        return "FusedBatchNorm(%s)" % ", ".join(
-            "%s=%s" % (k, getattr(v, "shape", v)) for k, v in self._outputs._asdict().items())
