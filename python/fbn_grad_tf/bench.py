@@ -510,6 +510,24 @@ def time_interleaved(fns, reps):
     return samples
 
 
+def warm_up_and_time(fns, config):
+    """Warms each of `fns` up, picks the repetitions (config.reps, or as many as the slowest
+    contestant fits into config.budget_s, within min_reps..max_reps) and times them
+    interleaved. Returns (reps, name -> list of seconds)."""
+    est = {}
+    for k, f in fns.items():
+        for _ in range(max(config.warmup, 1)):
+            t0 = time.perf_counter()
+            f()
+            est[k] = time.perf_counter() - t0
+    if config.reps:
+        reps = int(config.reps)
+    else:
+        reps = int(config.budget_s / max(max(est.values()), 1e-6))
+        reps = max(config.min_reps, min(config.max_reps, reps))
+    return reps, time_interleaved(fns, reps)
+
+
 def _setup_torch(config, threads):
     """(torch or None, note for the header, reason it is n/a or None): torch with
     torch.set_num_threads(threads) (the threads TF, hence our op, uses), or why not."""
@@ -633,18 +651,7 @@ def _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps, torc
     del ref
 
     # -- warm up (the check call above already traced and ran each function once).
-    est = {}
-    for k, f in fns.items():
-        for _ in range(max(config.warmup, 1)):
-            t0 = time.perf_counter()
-            f()
-            est[k] = time.perf_counter() - t0
-    if config.reps:
-        reps = int(config.reps)
-    else:
-        reps = int(config.budget_s / max(max(est.values()), 1e-6))
-        reps = max(config.min_reps, min(config.max_reps, reps))
-    samples = time_interleaved(fns, reps)
+    reps, samples = warm_up_and_time(fns, config)
 
     entry["reps"] = reps
     entry["check"] = check
@@ -1191,18 +1198,7 @@ def _run_layer_case(config, shape, dtype, fmt, support, torch, torch_why, case_n
     outs = ref = None
 
     # -- warm up, repetitions from the budget, interleaved timing (as the backward cases).
-    est = {}
-    for k, f in fns.items():
-        for _ in range(max(config.warmup, 1)):
-            t0 = time.perf_counter()
-            f()
-            est[k] = time.perf_counter() - t0
-    if config.reps:
-        reps = int(config.reps)
-    else:
-        reps = int(config.budget_s / max(max(est.values()), 1e-6))
-        reps = max(config.min_reps, min(config.max_reps, reps))
-    samples = time_interleaved(fns, reps)
+    reps, samples = warm_up_and_time(fns, config)
     entry["reps"] = reps
     entry["check"] = check
     for k in LAYER_KEYS:
