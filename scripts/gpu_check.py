@@ -141,18 +141,24 @@ def np_dtype(name):
     return ml_dtypes.bfloat16
 
 
+def random_x(logical_shape, dtype, data_format, rng, loc=None):
+    """x in `dtype` with per-channel mean mu ~U(-3,3) (or `loc` + U(-1,1)) and std sigma
+    ~U(0.5,2). Returns (x, mu, sigma, channel axis, broadcast shape of a [C] vector)."""
+    shape = layout_shape(logical_shape, data_format)
+    ax = channel_axis(data_format, len(shape))
+    c = shape[ax]
+    bshape = [1] * len(shape)
+    bshape[ax] = -1
+    mu = rng.uniform(-3, 3, c) if loc is None else loc + rng.uniform(-1, 1, c)
+    sigma = rng.uniform(0.5, 2.0, c)
+    x = rng.standard_normal(shape) * sigma.reshape(bshape) + mu.reshape(bshape)
+    return x.astype(np.float32).astype(np_dtype(dtype)), mu, sigma, ax, bshape
+
+
 def make_inputs(logical_shape, dtype, data_format, is_training, saved_stat, epsilon, rng):
     """Random inputs as NumPy arrays: dy, x in `dtype`; scale, rs1, rs2 float32 [C]."""
-    shape = layout_shape(logical_shape, data_format)
-    ndim = len(shape)
-    ax = channel_axis(data_format, ndim)
-    c = shape[ax]
-    bshape = [1] * ndim
-    bshape[ax] = -1
-    mu = rng.uniform(-3, 3, c)
-    sigma = rng.uniform(0.5, 2.0, c)
-    x = (rng.standard_normal(shape) * sigma.reshape(bshape) + mu.reshape(bshape))
-    x = x.astype(np.float32).astype(np_dtype(dtype))
+    x, mu, sigma, ax, bshape = random_x(logical_shape, dtype, data_format, rng)
+    shape, ndim, c = x.shape, x.ndim, x.shape[ax]
     dy = rng.standard_normal(shape).astype(np.float32).astype(np_dtype(dtype))
     scale = rng.normal(1.0, 0.5, c).astype(np.float32)
     if is_training:
@@ -453,16 +459,8 @@ def to_numpy_dtype(torch, t, dtype):
 def make_forward_inputs(logical_shape, dtype, data_format, rng, loc=None):
     """x in `dtype` (per-channel mean ~U(-3,3), or `loc` + U(-1,1) when given; std 0.5..2);
     scale, offset, running mean/var float32 [C]."""
-    shape = layout_shape(logical_shape, data_format)
-    ndim = len(shape)
-    ax = channel_axis(data_format, ndim)
-    c = shape[ax]
-    bshape = [1] * ndim
-    bshape[ax] = -1
-    mu = rng.uniform(-3, 3, c) if loc is None else loc + rng.uniform(-1, 1, c)
-    sigma = rng.uniform(0.5, 2.0, c)
-    x = rng.standard_normal(shape) * sigma.reshape(bshape) + mu.reshape(bshape)
-    x = x.astype(np.float32).astype(np_dtype(dtype))
+    x, mu, sigma, ax, _ = random_x(logical_shape, dtype, data_format, rng, loc)
+    c = x.shape[ax]
     scale = rng.normal(1.0, 0.5, c).astype(np.float32)
     offset = rng.normal(0.0, 0.5, c).astype(np.float32)
     rm = (mu + rng.normal(0, 0.1, c)).astype(np.float32)
