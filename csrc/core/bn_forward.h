@@ -25,6 +25,12 @@
 namespace fbn {
 
 enum class Activation { kIdentity, kRelu };
+
+// True when the running mean/variance inputs are read: inference, or training with
+// exponential_avg_factor != 1. Otherwise they may be null / empty ([0]), as in TF.
+inline bool ReadsRunningStats(bool is_training, float exponential_avg_factor) {
+  return !is_training || exponential_avg_factor != 1.0f;
+}
 bool ParseActivation(const std::string& s, Activation* out);  // "Identity" / "Relu"
 
 struct BnForwardParams {
@@ -36,9 +42,9 @@ struct BnForwardParams {
   // forward) or the inverse standard deviation (TF's GPU forward, cuDNN).
   SavedStat saved_stat = SavedStat::kVariance;
   Activation activation = Activation::kIdentity;
-  // True when running_mean/running_var are read: inference, or training with
-  // exponential_avg_factor != 1. Otherwise they may be null (TF passes empty tensors).
-  bool reads_running_stats() const { return !is_training || exponential_avg_factor != 1.0f; }
+  bool reads_running_stats() const {
+    return ReadsRunningStats(is_training, exponential_avg_factor);
+  }
 };
 
 // x and y have shape.elements() elements of T; every other pointer C floats. y may not

@@ -39,7 +39,7 @@ ValidationResult ValidateBnForwardInputs(const std::vector<int64_t>& x_dims,
   }
   // Like TF: training with exponential_avg_factor == 1 never reads the running statistics,
   // so they may be empty ([0]) tensors; otherwise they are [C] like scale and offset.
-  const bool reads_running = !is_training || exponential_avg_factor != 1.0f;
+  const bool reads_running = ReadsRunningStats(is_training, exponential_avg_factor);
   const auto empty = [](const std::vector<int64_t>& d) { return d.size() == 1 && d[0] == 0; };
   std::vector<NamedDims> vecs = {{"scale", &scale_dims}, {"offset", &offset_dims}};
   if (reads_running || !empty(mean_dims)) vecs.push_back({"mean", &mean_dims});
