@@ -37,6 +37,7 @@ CORE_SOURCES = [
     "csrc/core/cpu/bn_grad_cpu_baseline.cc",
     "csrc/core/cpu/bn_grad_cpu_avx2.cc",
     "csrc/core/cpu/bn_grad_cpu_avx512.cc",
+    "csrc/core/cpu/bn_grad_cpu_avx512bf16.cc",
 ]
 CUDA_SOURCES = ["csrc/core/bn_grad_cuda.cu", "csrc/core/bn_forward_cuda.cu"]
 CORE_MODULE_SOURCE = "csrc/py/core_module.cc"
@@ -57,6 +58,7 @@ ISA_FLAGS = {
     "_avx512.cc": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
                    "-mf16c", "-mprefer-vector-width=512"],
 }
+ISA_FLAGS["_avx512bf16.cc"] = ISA_FLAGS["_avx512.cc"] + ["-mavx512bf16"]
 # -ffp-contract=off: no FMA contraction, so every ISA path rounds identically.
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden",
                 "-Wall", "-Wno-sign-compare", "-Wno-deprecated-declarations"]

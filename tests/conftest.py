@@ -17,11 +17,12 @@ if _HERE not in sys.path:
 
 import pytest  # noqa: E402
 
-ALL_ISAS = ("baseline", "avx2", "avx512")
+from fbn_grad_tf import core  # noqa: E402
+
+ALL_ISAS = core.CPU_ISAS
 
 
 def supported_isas():
-    from fbn_grad_tf import core
     return [isa for isa in ALL_ISAS if core.cpu_supports(isa)]
 
 

@@ -89,10 +89,12 @@ def test_tf_op_bitwise_equal_to_core_default_isa(case, dtype, training, bitwise_
 
 def test_isa_queries():
     assert core.cpu_supports("baseline")
-    assert core.default_isa() in ("baseline", "avx2", "avx512")
+    assert core.CPU_ISAS == ("baseline", "avx2", "avx512", "avx512bf16")
+    assert core.default_isa() in core.CPU_ISAS
     assert core.cpu_supports(core.default_isa())
-    if core.cpu_supports("avx512"):
-        assert core.cpu_supports("avx2")
+    # Each path needs everything the paths below it need.
+    supported = [core.cpu_supports(i) for i in core.CPU_ISAS]
+    assert supported == sorted(supported, reverse=True)
     with pytest.raises(ValueError, match="isa"):
         core.cpu_supports("sse9")
 
@@ -109,7 +111,7 @@ def test_unsupported_isa_request_falls_back_without_crashing():
     """Asking for a path the CPU lacks runs the best supported one (never SIGILL)."""
     inputs = make_inputs((2, 8, 8, 16), "NHWC", "bfloat16", True, seed=4)
     expected = run_core(inputs, isa="baseline")
-    for isa in ("avx2", "avx512"):
+    for isa in core.CPU_ISAS[1:]:
         out = run_core(inputs, isa=isa)
         for u, v in zip(out, expected):
             assert_bitwise_equal(u, v)

@@ -191,7 +191,7 @@ def test_bitwise_identical_for_any_threads_and_isa(dtype, fmt, shape):
     x, scale, offset, mean, var = make_forward_inputs(shape, fmt, dtype, 3)
     runs = [core.bn_forward(x, scale, offset, mean, var, EPS, 0.3, fmt, True,
                             activation="relu", num_threads=t, isa=isa)
-            for t in (1, 2, 3) for isa in ("baseline", "avx2", "avx512")
+            for t in (1, 2, 3) for isa in core.CPU_ISAS
             if core.cpu_supports(isa)]
     for other in runs[1:]:
         for a, b, name in zip(runs[0], other, ["y", "mean", "var", "saved_mean", "saved_var"]):

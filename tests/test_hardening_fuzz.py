@@ -455,7 +455,7 @@ def _import_core_without_tf():
 def run_core_fuzz(cfg):
     """Child side (no TF). cfg: {"examples": n, "seed": s, "big_every": k}."""
     core = _import_core_without_tf()
-    isas = [i for i in ("baseline", "avx2", "avx512") if core.cpu_supports(i)]
+    isas = [i for i in core.CPU_ISAS if core.cpu_supports(i)]
     stats = {"examples": 0, "rejected_as_expected": 0, "accepted": 0, "compared_reference": 0,
              "big": 0, "isas": isas, "not_comparable": 0}
     names = ("y_backprop", "x", "scale", "reserve_space_1", "reserve_space_2")

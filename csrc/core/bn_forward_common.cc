@@ -53,6 +53,7 @@ namespace {
 template <typename T>
 cpu::ForwardKernel<T> ForwardKernelFor(CpuIsa isa) {
   switch (CpuSupports(isa) ? isa : DefaultCpuIsa()) {
+    case CpuIsa::kAvx512Bf16: return avx512bf16::ForwardKernel<T>();
     case CpuIsa::kAvx512: return avx512::ForwardKernel<T>();
     case CpuIsa::kAvx2: return avx2::ForwardKernel<T>();
     case CpuIsa::kBaseline: break;

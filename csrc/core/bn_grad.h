@@ -130,17 +130,19 @@ class ThreadRunner : public TaskRunner {
   int num_threads_;
 };
 
-// Instruction-set paths of the CPU kernels: the same source compiled three times.
-//   baseline: plain x86-64 (SSE2), runs on any x86-64 CPU;
-//   avx2:     AVX2 + FMA + F16C;
-//   avx512:   AVX-512 F/BW/VL/DQ, 512-bit vectors.
+// Instruction-set paths of the CPU kernels: the same source compiled four times.
+//   baseline:   plain x86-64 (SSE2), runs on any x86-64 CPU;
+//   avx2:       AVX2 + FMA + F16C;
+//   avx512:     AVX-512 F/BW/VL/DQ, 512-bit vectors;
+//   avx512bf16: avx512 + AVX512-BF16 (hardware float->bfloat16 rounding; Cooper Lake,
+//               Sapphire Rapids and later, AMD Zen 4 and later).
 // All paths produce bitwise identical results (same summation order, FMA contraction off,
 // identical rounding in the 16-bit conversions); they differ only in speed.
-enum class CpuIsa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class CpuIsa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 const char* CpuIsaName(CpuIsa isa);
 bool CpuSupports(CpuIsa isa);
 // The best supported path, unless the environment variable FBN_GRAD_TF_ISA
-// (baseline | avx2 | avx512 | auto) asks for a lower one. Read once.
+// (baseline | avx2 | avx512 | avx512bf16 | auto) asks for a lower one. Read once.
 CpuIsa DefaultCpuIsa();
 
 template <typename T>

@@ -254,6 +254,7 @@ const char* CpuIsaName(CpuIsa isa) {
     case CpuIsa::kBaseline: return "baseline";
     case CpuIsa::kAvx2: return "avx2";
     case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx512Bf16: return "avx512bf16";
   }
   return "?";
 }
@@ -270,6 +271,8 @@ bool CpuSupports(CpuIsa isa) {
       return CpuSupports(CpuIsa::kAvx2) && __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512dq");
+    case CpuIsa::kAvx512Bf16:
+      return CpuSupports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
   }
   return false;
 #else
@@ -279,6 +282,7 @@ bool CpuSupports(CpuIsa isa) {
 
 namespace {
 CpuIsa BestIsa() {
+  if (CpuSupports(CpuIsa::kAvx512Bf16)) return CpuIsa::kAvx512Bf16;
   if (CpuSupports(CpuIsa::kAvx512)) return CpuIsa::kAvx512;
   if (CpuSupports(CpuIsa::kAvx2)) return CpuIsa::kAvx2;
   return CpuIsa::kBaseline;
@@ -297,10 +301,12 @@ CpuIsa DefaultCpuIsa() {
       want = CpuIsa::kAvx2;
     } else if (std::strcmp(env, "avx512") == 0) {
       want = CpuIsa::kAvx512;
+    } else if (std::strcmp(env, "avx512bf16") == 0) {
+      want = CpuIsa::kAvx512Bf16;
     } else {
       std::fprintf(stderr,
-                   "fbn_grad_tf: ignoring FBN_GRAD_TF_ISA=%s (expected baseline, avx2, avx512 "
-                   "or auto); using %s\n",
+                   "fbn_grad_tf: ignoring FBN_GRAD_TF_ISA=%s (expected baseline, avx2, avx512, "
+                   "avx512bf16 or auto); using %s\n",
                    env, CpuIsaName(best));
       return best;
     }
@@ -321,6 +327,7 @@ CpuIsa Usable(CpuIsa isa) { return CpuSupports(isa) ? isa : BestIsa(); }
 template <typename T>
 cpu::KernelSet<T> KernelsFor(CpuIsa isa) {
   switch (Usable(isa)) {
+    case CpuIsa::kAvx512Bf16: return avx512bf16::Kernels<T>();
     case CpuIsa::kAvx512: return avx512::Kernels<T>();
     case CpuIsa::kAvx2: return avx2::Kernels<T>();
     case CpuIsa::kBaseline: break;

@@ -36,7 +36,8 @@ fbn::CpuIsa Isa(const std::string& s) {
   if (s == "baseline" || s == "scalar") return fbn::CpuIsa::kBaseline;
   if (s == "avx2") return fbn::CpuIsa::kAvx2;
   if (s == "avx512") return fbn::CpuIsa::kAvx512;
-  throw py::value_error("isa must be auto, baseline, avx2 or avx512, got '" + s + "'");
+  if (s == "avx512bf16") return fbn::CpuIsa::kAvx512Bf16;
+  throw py::value_error("isa must be auto, baseline, avx2, avx512 or avx512bf16, got '" + s + "'");
 }
 
 fbn::SavedStat Stat(const std::string& s) {
@@ -275,6 +276,13 @@ PYBIND11_MODULE(_core, m) {
         py::arg("saved_stat"), py::arg("num_threads"), py::arg("isa"));
   m.def("cpu_supports", [](const std::string& isa) { return fbn::CpuSupports(Isa(isa)); });
   m.def("default_isa", [] { return std::string(fbn::CpuIsaName(fbn::DefaultCpuIsa())); });
+  m.def("isa_names", [] {
+    std::vector<std::string> names;
+    for (fbn::CpuIsa isa : {fbn::CpuIsa::kBaseline, fbn::CpuIsa::kAvx2, fbn::CpuIsa::kAvx512,
+                            fbn::CpuIsa::kAvx512Bf16})
+      names.push_back(fbn::CpuIsaName(isa));
+    return names;
+  }, "Names of every CPU path compiled in, lowest first (cpu_supports says which can run).");
   m.def("half_to_float", [](uint16_t b) { return fbn::HalfToFloat(fbn::half_t{b}); });
   m.def("float_to_half", [](float f) { return fbn::FloatToHalf(f).bits; });
   m.def("float_to_bfloat16", [](float f) { return fbn::FloatToBFloat16(f).bits; });

@@ -16,11 +16,14 @@ import numpy as np
 
 from . import _core
 
-__all__ = ["bn_grad", "bn_forward", "validate", "validate_forward", "default_isa", "cpu_supports", "with_cuda", "bfloat16"]
+__all__ = ["bn_grad", "bn_forward", "validate", "validate_forward", "default_isa", "cpu_supports",
+           "CPU_ISAS", "with_cuda", "bfloat16"]
 
 with_cuda = bool(_core.with_cuda)
 default_isa = _core.default_isa
 cpu_supports = _core.cpu_supports
+# Every CPU path compiled in, lowest first; cpu_supports(name) says which this CPU can run.
+CPU_ISAS = tuple(_core.isa_names())
 validate = _core.validate
 validate_forward = _core.validate_forward
 
@@ -128,7 +131,7 @@ def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4
 
     saved_stat: what ``reserve_space_2`` holds in training mode: ``"variance"`` (TF's CPU
     forward) or ``"inv_std"`` (TF's GPU forward: 1/sqrt(var + epsilon)).
-    num_threads: CPU threads (0 = all cores). isa: CPU path (auto, baseline, avx2, avx512).
+    num_threads: CPU threads (0 = all cores). isa: CPU path (auto, baseline, avx2, avx512, avx512bf16).
     """
     if _is_device_array(x):
         return _bn_grad_device(y_backprop, x, scale, reserve_space_1, reserve_space_2,

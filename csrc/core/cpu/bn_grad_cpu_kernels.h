@@ -41,6 +41,7 @@ using ForwardKernel = void (*)(const BnForwardParams&, const BnForwardArgs<T>&, 
 FBN_DECLARE_ISA_KERNELS(baseline)
 FBN_DECLARE_ISA_KERNELS(avx2)
 FBN_DECLARE_ISA_KERNELS(avx512)
+FBN_DECLARE_ISA_KERNELS(avx512bf16)
 #undef FBN_DECLARE_ISA_KERNELS
 
 }  // namespace fbn
