@@ -193,11 +193,13 @@ def test_torch_column(tmp_path, capsys, monkeypatch, torch_mode):
     printed = capsys.readouterr().out
     header, rows = _parse_table(printed)
     assert header[:5] == ["shape", "fmt", "dtype", "mode", "ours ms"]
-    assert {"torch ms", "t%BW", "%BW", "GB/s"} <= set(header)
+    assert {"torch ms", "t%BW", "%BW", "GB/s", "core ms"} <= set(header)
     ti = header.index("torch ms")
-    assert header[ti + 1] == "x"
+    assert header[ti + 1] == "x" and header[ti + 2] == "xc"
     assert len(rows) == 8
     for r in rows:
+        assert float(r[header.index("core ms")]) > 0  # timed whether or not torch is there
+        assert (r[ti + 2] != "n/a") == have, r
         for h, v in zip(header[4:-1], r[4:-1]):  # GB/s, %BW: tiny shapes round to 0
             assert _cell_ok(v) if h not in ("GB/s", "%BW", "t%BW") else (
                 v == "n/a" or re.match(r"^\d+(\.\d+)?%?$", v)), (h, v)
@@ -206,8 +208,11 @@ def test_torch_column(tmp_path, capsys, monkeypatch, torch_mode):
     assert "vs PyTorch" in printed
     data = json.loads(out.read_text())
     for row in data["results"]:
+        assert row["core_ms"] > 0
+        assert row["check"]["main"]["core"]["dx"] <= bench.DX_TOL[row["dtype"]]
         if have:
             assert row["torch_ms"] > 0 and row["speedup_torch"] > 0, row["torch_error"]
+            assert row["speedup_torch_core"] == pytest.approx(row["torch_ms"] / row["core_ms"])
             assert row["torch_gbps"] > 0 and row["torch_bw_fraction"] > 0
             assert row["check"]["main"]["torch"]["dx"] <= bench.DX_TOL[row["dtype"]]
         else:
@@ -220,6 +225,8 @@ def test_torch_column(tmp_path, capsys, monkeypatch, torch_mode):
             assert g["torch_training"] is None and g["torch_inference"] is None
     else:
         assert any(g["torch_training"] for g in data["summary"]["speedups"])
+        assert any(g["torch_core_training"] for g in data["summary"]["speedups"])
+        assert "PyTorch vs core" in printed
 
 
 def _fake_forward_api(monkeypatch, api):

@@ -336,6 +336,21 @@ def _tf_op(dy, x, scale, rs1, rs2, rs3, epsilon, data_format, is_training):
         is_training=is_training)
 
 
+def _core_callable(args, epsilon, fmt, training, threads):
+    """Our kernels called through the framework-free core (fbn_grad_tf.core.bn_grad) on
+    NumPy copies of the same tensors, made once: a direct kernel call from Python, with no
+    TF graph dispatch (about 0.2 ms per tf.function call on the 2-core machines), as
+    PyTorch's eager call has none. Returns a zero-argument callable."""
+    from . import core
+    dy, x, scale, rs1, rs2 = (np.asarray(t.numpy()) for t in args[:5])
+
+    def call():
+        return core.bn_grad(dy, x, scale, rs1, rs2, epsilon, fmt, training,
+                            num_threads=threads)
+
+    return call
+
+
 def _tf_callable(which, args, epsilon, fmt, training):
     """A zero-argument callable running `which` ('ours' or 'tf') in a fresh tf.function."""
     op = _ours_op if which == "ours" else _tf_op
@@ -589,7 +604,7 @@ def run(config=None, label=None, stream=None):
             rs1, rs2 = inputs[mode]
             args = inputs[fmt] + (inputs["scale"], rs1, rs2, inputs["rs3"])
             entry = _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps,
-                              torch, case_name)
+                              torch, case_name, threads)
             if torch_why:
                 entry["torch"] = {"error": torch_why}
             results.append(entry)
@@ -601,9 +616,11 @@ def run(config=None, label=None, stream=None):
     return {"meta": meta, "results": results}
 
 
-def _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps, torch, case_name):
+def _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps, torch, case_name,
+              threads):
     fns = {"ours": _tf_callable("ours", args, eps, fmt, training),
-           "tf": _tf_callable("tf", args, eps, fmt, training)}
+           "tf": _tf_callable("tf", args, eps, fmt, training),
+           "core": _core_callable(args, eps, fmt, training, threads)}
     entry = {"shape": list(shape), "tensor_shape": list(tensor_shape(shape, fmt)),
              "format": fmt, "dtype": dtype, "mode": mode, "elements": math.prod(shape),
              "min_bytes": 3 * math.prod(shape) * _ITEMSIZE[dtype]}
@@ -630,7 +647,8 @@ def _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps, torc
         ref = numpy_reference(*(t.numpy() for t in args[:5]), eps, fmt, training)
         ref_name = "NumPy float64 reference"
     check = {"reference": ref_name,
-             "ours": _check("ours", ours_out, ref, dtype, case_name, ref_name)}
+             "ours": _check("ours", ours_out, ref, dtype, case_name, ref_name),
+             "core": _check("ours (core)", fns["core"](), ref, dtype, case_name, ref_name)}
     del ours_out
 
     if torch is not None:
@@ -655,7 +673,7 @@ def _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps, torc
 
     entry["reps"] = reps
     entry["check"] = check
-    for k in ("ours", "tf", "torch"):
+    for k in ("ours", "tf", "core", "torch"):
         if k in samples:
             entry[k] = _stats(samples[k])
         elif k in errors:
@@ -680,8 +698,9 @@ def _ratio(num, den):
 def merge(main_res, other_res=None, bandwidth=None):
     """Merges the main process's results with the other TF backend's worker results.
 
-    Flattened per case: ours_ms (main process), tf_onednn_ms, tf_eigen_ms, torch_ms,
-    speedup_onednn/eigen/torch (their ms / ours ms from the same process), gbps (our
+    Flattened per case: ours_ms (main process), tf_onednn_ms, tf_eigen_ms, core_ms (our
+    kernels through the framework-free core), torch_ms, speedup_onednn/eigen/torch (their
+    ms / ours ms from the same process), speedup_torch_core (torch ms / core ms), gbps (our
     effective bandwidth on 3 * elements * itemsize bytes) and bw_fraction, torch_gbps and
     torch_bw_fraction (the same for PyTorch's time).
     """
@@ -707,8 +726,10 @@ def merge(main_res, other_res=None, bandwidth=None):
             row["speedup_%s" % b] = _ratio(tf_ms, ours_b)
             row["tf_%s_error" % b] = (src.get("tf") or {}).get("error") if src else "not run"
             row["ours_ms_%s_run" % b] = ours_b
+        row["core_ms"] = _ms(r.get("core"))
         row["torch_ms"] = _ms(r.get("torch"))
         row["speedup_torch"] = _ratio(row["torch_ms"], ours)
+        row["speedup_torch_core"] = _ratio(row["torch_ms"], row["core_ms"])
         row["torch_error"] = (r.get("torch") or {}).get("error")
         row["gbps"] = r["min_bytes"] / (ours * 1e-3) / 1e9 if ours else None
         row["bw_fraction"] = row["gbps"] / bw if row["gbps"] and bw else None
@@ -740,9 +761,9 @@ def format_table(rows, have_torch=False):
     cols = [("shape", "<", 15), ("fmt", "<", 4), ("dtype", "<", 8), ("mode", "<", 5),
             ("ours ms", ">", 8), ("TF-oneDNN", ">", 9), ("x", ">", 6),
             ("ours(E)", ">", 8), ("TF-Eigen", ">", 9), ("x", ">", 6)]
-    cols += [("GB/s", ">", 6), ("%BW", ">", 5)]
+    cols += [("GB/s", ">", 6), ("%BW", ">", 5), ("core ms", ">", 8)]
     if have_torch:
-        cols += [("torch ms", ">", 9), ("x", ">", 6), ("t%BW", ">", 5)]
+        cols += [("torch ms", ">", 9), ("x", ">", 6), ("xc", ">", 6), ("t%BW", ">", 5)]
     cols += [("reps", ">", 4)]
     def line(vals):
         return "  ".join(("{:%s%d}" % (a, w)).format(v) for (_, a, w), v in zip(cols, vals))
@@ -758,9 +779,11 @@ def format_table(rows, have_torch=False):
                 _f(r["tf_onednn_ms"], "%.3f"), _f(r["speedup_onednn"], "%.2fx"),
                 _f(r["ours_ms_eigen_run"], "%.3f"), _f(r["tf_eigen_ms"], "%.3f"),
                 _f(r["speedup_eigen"], "%.2fx")]
-        vals += [_f(r["gbps"], "%.1f"), _f(r["bw_fraction"] and 100 * r["bw_fraction"], "%.0f%%")]
+        vals += [_f(r["gbps"], "%.1f"), _f(r["bw_fraction"] and 100 * r["bw_fraction"], "%.0f%%"),
+                 _f(r.get("core_ms"), "%.3f")]
         if have_torch:
             vals += [_f(r["torch_ms"], "%.3f"), _f(r["speedup_torch"], "%.2fx"),
+                     _f(r.get("speedup_torch_core"), "%.2fx"),
                      _f(r.get("torch_bw_fraction") and 100 * r["torch_bw_fraction"], "%.0f%%")]
         vals += [str(r["reps"])]
         out.append(line(vals))
@@ -783,7 +806,7 @@ SUMMARY_GROUPS = (("float32 NHWC", ("float32",), "NHWC"),
 
 def summarize(rows, have_torch=False):
     """Median speed-ups per group and mode, and our fraction of bandwidth on large shapes."""
-    targets = ["onednn", "eigen"] + (["torch"] if have_torch else [])
+    targets = ["onednn", "eigen"] + (["torch", "torch_core"] if have_torch else [])
     speedups = []
     for name, dtypes, fmt in SUMMARY_GROUPS:
         sel = [r for r in rows if r["dtype"] in dtypes and (fmt is None or r["format"] == fmt)]
@@ -792,7 +815,7 @@ def summarize(rows, have_torch=False):
         g = {"group": name}
         for t in targets:
             for mode in MODES:
-                m, n = _median(r["speedup_" + t] for r in sel if r["mode"] == mode)
+                m, n = _median(r.get("speedup_" + t) for r in sel if r["mode"] == mode)
                 g["%s_%s" % (t, mode)] = m
                 g["%s_%s_n" % (t, mode)] = n
         speedups.append(g)
@@ -816,7 +839,7 @@ def summarize(rows, have_torch=False):
 def format_summary(summary, bandwidth=None, have_torch=False):
     targets = [("onednn", "vs TF oneDNN"), ("eigen", "vs TF Eigen")]
     if have_torch:
-        targets.append(("torch", "vs PyTorch"))
+        targets += [("torch", "vs PyTorch"), ("torch_core", "PyTorch vs core")]
     out = ["Summary: median speed-up over shapes (their ms / ours ms; >1 = ours faster)"]
     head = "%-17s" % "" + "".join("  %-17s" % t[1] for t in targets)
     sub = "%-17s" % "group" + "".join("  %8s %8s" % ("train", "infer") for _ in targets)
@@ -1464,12 +1487,16 @@ def config_from_args(args):
 def torch_header_note(meta, threads):
     """The line above the table that says what the PyTorch columns are, or why they are n/a."""
     why = meta.get("torch_why")
+    core = ("core ms = our kernels called through fbn_grad_tf.core.bn_grad on NumPy copies of "
+            "the same tensors (a direct call from Python, no TF graph dispatch)")
     if why:
-        return "torch ms, x, t%%BW: n/a (%s)%s" % (
-            why, "; %s" % TORCH_INSTALL_HINT if why == TORCH_MISSING else "")
-    return ("torch ms = torch.ops.aten.native_batch_norm_backward, eager, %s; NHWC as "
-            "channels_last, NCHW contiguous, converted once; x = torch ms / ours ms; "
-            "t%%BW = PyTorch's effective bandwidth / the same bandwidth" % meta.get("torch"))
+        return "%s\ntorch ms, x, xc, t%%BW: n/a (%s)%s" % (
+            core, why, "; %s" % TORCH_INSTALL_HINT if why == TORCH_MISSING else "")
+    return ("%s\ntorch ms = torch.ops.aten.native_batch_norm_backward, eager, %s; NHWC as "
+            "channels_last, NCHW contiguous, converted once; x = torch ms / ours ms (our TF op, "
+            "which pays TF's graph dispatch); xc = torch ms / core ms (kernel against kernel, "
+            "neither pays a graph runtime); t%%BW = PyTorch's effective bandwidth / the same "
+            "bandwidth" % (core, meta.get("torch")))
 
 
 def run_worker_subprocess(backend, config, timeout=None):
