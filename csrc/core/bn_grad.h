@@ -118,7 +118,8 @@ class TaskRunner {
                    const std::function<void(int64_t, int64_t)>& fn) const = 0;
 };
 
-// Runs tasks on up to `num_threads` std::threads (1 = inline). For the pybind11 module
+// Runs tasks on up to `num_threads` threads (1 = inline; the others from a process-wide pool
+// of worker threads, started on first use and reused). For the pybind11 module
 // and tools; TensorFlow uses its own intra-op pool.
 class ThreadRunner : public TaskRunner {
  public:
