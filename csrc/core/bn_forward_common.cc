@@ -21,21 +21,15 @@ ValidationResult ValidateBnForwardInputs(const std::vector<int64_t>& x_dims,
                                          const std::vector<int64_t>& variance_dims,
                                          DataFormat format, float epsilon,
                                          float exponential_avg_factor, bool is_training) {
-  const auto fail = [](const std::string& msg) {
-    ValidationResult r;
-    r.ok = false;
-    r.error = msg;
-    return r;
-  };
   const int rank = DataFormatRank(format);
   if (static_cast<int>(x_dims.size()) != rank) {
-    return fail("x must be " + std::to_string(rank) + "-dimensional for data_format " +
-                DataFormatName(format) + ", got shape " + ShapeString(x_dims));
+    return ValidationFailure("x must be " + std::to_string(rank) + "-dimensional for data_format " +
+        DataFormatName(format) + ", got shape " + ShapeString(x_dims));
   }
   if (!std::isfinite(exponential_avg_factor)) {
     std::ostringstream os;
     os << "exponential_avg_factor must be a finite number, got " << exponential_avg_factor;
-    return fail(os.str());
+    return ValidationFailure(os.str());
   }
   // Like TF: training with exponential_avg_factor == 1 never reads the running statistics,
   // so they may be empty ([0]) tensors; otherwise they are [C] like scale and offset.
@@ -49,23 +43,10 @@ ValidationResult ValidateBnForwardInputs(const std::vector<int64_t>& x_dims,
   return ValidateBnInputs(x_dims, x_dims, vecs, format, epsilon);
 }
 
-namespace {
-template <typename T>
-cpu::ForwardKernel<T> ForwardKernelFor(CpuIsa isa) {
-  switch (CpuSupports(isa) ? isa : DefaultCpuIsa()) {
-    case CpuIsa::kAvx512Bf16: return avx512bf16::ForwardKernel<T>();
-    case CpuIsa::kAvx512: return avx512::ForwardKernel<T>();
-    case CpuIsa::kAvx2: return avx2::ForwardKernel<T>();
-    case CpuIsa::kBaseline: break;
-  }
-  return baseline::ForwardKernel<T>();
-}
-}  // namespace
-
 template <typename T>
 void BnForwardCpu(const BnForwardParams& params, const BnForwardArgs<T>& args,
                   const TaskRunner& runner, CpuIsa isa) {
-  ForwardKernelFor<T>(isa)(params, args, runner);
+  cpu::KernelsFor<T>(isa).forward(params, args, runner);
 }
 
 template void BnForwardCpu<float>(const BnForwardParams&, const BnForwardArgs<float>&,

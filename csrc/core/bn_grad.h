@@ -82,6 +82,9 @@ struct ValidationResult {
   BnShape shape;      // set when ok
 };
 
+// A failed ValidationResult carrying `msg`.
+ValidationResult ValidationFailure(const std::string& msg);
+
 ValidationResult ValidateBnGradInputs(const std::vector<int64_t>& y_backprop_dims,
                                       const std::vector<int64_t>& x_dims,
                                       const std::vector<int64_t>& scale_dims,

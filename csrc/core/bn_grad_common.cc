@@ -57,14 +57,14 @@ std::string ShapeString(const std::vector<int64_t>& dims) {
   return os.str();
 }
 
-namespace {
-
-ValidationResult Fail(const std::string& msg) {
+ValidationResult ValidationFailure(const std::string& msg) {
   ValidationResult r;
   r.ok = false;
   r.error = msg;
   return r;
 }
+
+namespace {
 
 // Product of dims, false on a negative dim or int64 overflow.
 bool CheckedNumElements(const std::vector<int64_t>& dims, int64_t* out) {
@@ -86,34 +86,34 @@ ValidationResult ValidateBnInputs(const std::vector<int64_t>& dy_dims,
   const int rank = DataFormatRank(format);
   const std::string fmt = DataFormatName(format);
   const auto rank_error = [&](const char* name, const std::vector<int64_t>& d) {
-    return Fail(std::string(name) + " must be " + std::to_string(rank) +
-                "-dimensional for data_format " + fmt + ", got shape " + ShapeString(d));
+    return ValidationFailure(std::string(name) + " must be " + std::to_string(rank) +
+        "-dimensional for data_format " + fmt + ", got shape " + ShapeString(d));
   };
   if (static_cast<int>(dy_dims.size()) != rank) return rank_error("y_backprop", dy_dims);
   if (static_cast<int>(x_dims.size()) != rank) return rank_error("x", x_dims);
   if (x_dims != dy_dims) {
-    return Fail("x and y_backprop must have the same shape, but x has shape " +
-                ShapeString(x_dims) + " and y_backprop has shape " + ShapeString(dy_dims));
+    return ValidationFailure("x and y_backprop must have the same shape, but x has shape " +
+        ShapeString(x_dims) + " and y_backprop has shape " + ShapeString(dy_dims));
   }
   int64_t elements = 0;
   if (!CheckedNumElements(x_dims, &elements)) {
-    return Fail("x has shape " + ShapeString(x_dims) +
-                ": dimensions must be non-negative and their product must fit in 64 bits");
+    return ValidationFailure("x has shape " + ShapeString(x_dims) +
+        ": dimensions must be non-negative and their product must fit in 64 bits");
   }
   for (const NamedDims& v : per_channel) {
     if (v.dims->size() != 1) {
-      return Fail(std::string(v.name) + " must be 1-dimensional, got shape " +
-                  ShapeString(*v.dims));
+      return ValidationFailure(std::string(v.name) + " must be 1-dimensional, got shape " +
+          ShapeString(*v.dims));
     }
   }
   const int channel_axis = IsChannelsFirst(format) ? 1 : rank - 1;
   const int64_t C = x_dims[channel_axis];
   for (const NamedDims& v : per_channel) {
     if ((*v.dims)[0] != C) {
-      return Fail(std::string(v.name) + " must have " + std::to_string(C) +
-                  " elements, the channel count of x (axis " + std::to_string(channel_axis) +
-                  " of shape " + ShapeString(x_dims) + " for data_format " + fmt +
-                  "), but has shape " + ShapeString(*v.dims));
+      return ValidationFailure(std::string(v.name) + " must have " + std::to_string(C) +
+          " elements, the channel count of x (axis " + std::to_string(channel_axis) +
+          " of shape " + ShapeString(x_dims) + " for data_format " + fmt +
+          "), but has shape " + ShapeString(*v.dims));
     }
   }
   // The sign is read from the bits: TF runs kernels with denormals flushed to zero, where a
@@ -124,7 +124,7 @@ ValidationResult ValidateBnInputs(const std::vector<int64_t>& dy_dims,
   if (!std::isfinite(epsilon) || eps_negative) {
     std::ostringstream os;
     os << "epsilon must be a finite, non-negative number, got " << epsilon;
-    return Fail(os.str());
+    return ValidationFailure(os.str());
   }
 
   // The canonical view's factors are sub-products of the dims: with a zero dim elsewhere
@@ -139,8 +139,8 @@ ValidationResult ValidateBnInputs(const std::vector<int64_t>& dy_dims,
   }
   if (!CheckedNumElements(outer_dims, &r.shape.outer) ||
       !CheckedNumElements(inner_dims, &r.shape.inner)) {
-    return Fail("x has shape " + ShapeString(x_dims) +
-                ": the product of its non-channel dimensions must fit in 64 bits");
+    return ValidationFailure("x has shape " + ShapeString(x_dims) +
+        ": the product of its non-channel dimensions must fit in 64 bits");
   }
   r.shape.channels = C;
   return r;
@@ -396,13 +396,10 @@ CpuIsa DefaultCpuIsa() {
   return chosen;
 }
 
-namespace {
-// An unsupported request falls back to the best supported path: never an illegal instruction.
-CpuIsa Usable(CpuIsa isa) { return CpuSupports(isa) ? isa : BestIsa(); }
-
 template <typename T>
-cpu::KernelSet<T> KernelsFor(CpuIsa isa) {
-  switch (Usable(isa)) {
+cpu::KernelSet<T> cpu::KernelsFor(CpuIsa isa) {
+  // An unsupported request falls back to the best supported path.
+  switch (CpuSupports(isa) ? isa : BestIsa()) {
     case CpuIsa::kAvx512Bf16: return avx512bf16::Kernels<T>();
     case CpuIsa::kAvx512: return avx512::Kernels<T>();
     case CpuIsa::kAvx2: return avx2::Kernels<T>();
@@ -410,24 +407,26 @@ cpu::KernelSet<T> KernelsFor(CpuIsa isa) {
   }
   return baseline::Kernels<T>();
 }
-}  // namespace
+template cpu::KernelSet<float> cpu::KernelsFor<float>(CpuIsa);
+template cpu::KernelSet<half_t> cpu::KernelsFor<half_t>(CpuIsa);
+template cpu::KernelSet<bfloat16_t> cpu::KernelsFor<bfloat16_t>(CpuIsa);
 
 template <typename T>
 void BnGradCpu(const BnGradParams& params, const BnGradArgs<T>& args, const TaskRunner& runner,
                CpuIsa isa) {
-  KernelsFor<T>(isa).fused(params, args, runner);
+  cpu::KernelsFor<T>(isa).fused(params, args, runner);
 }
 
 template <typename T>
 void BnGradReduceCpu(const BnGradParams& params, const BnGradArgs<T>& args, float* sum_dy,
                      float* sum_dy_xmu, const TaskRunner& runner, CpuIsa isa) {
-  KernelsFor<T>(isa).reduce(params, args, sum_dy, sum_dy_xmu, runner);
+  cpu::KernelsFor<T>(isa).reduce(params, args, sum_dy, sum_dy_xmu, runner);
 }
 
 template <typename T>
 void BnGradApplyCpu(const BnGradParams& params, const BnGradArgs<T>& args, const float* sum_dy,
                     const float* sum_dy_xmu, float count, const TaskRunner& runner, CpuIsa isa) {
-  KernelsFor<T>(isa).apply(params, args, sum_dy, sum_dy_xmu, count, runner);
+  cpu::KernelsFor<T>(isa).apply(params, args, sum_dy, sum_dy_xmu, count, runner);
 }
 
 #define FBN_INSTANTIATE(T)                                                                 \

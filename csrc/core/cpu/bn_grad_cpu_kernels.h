@@ -12,16 +12,20 @@ namespace cpu {
 // The entry points of one ISA path for one element type.
 template <typename T>
 struct KernelSet {
+  // The backward, fused or split (bn_grad_cpu_kernels.inc).
   void (*fused)(const BnGradParams&, const BnGradArgs<T>&, const TaskRunner&);
   void (*reduce)(const BnGradParams&, const BnGradArgs<T>&, float* sum_dy, float* sum_dy_xmu,
                  const TaskRunner&);
   void (*apply)(const BnGradParams&, const BnGradArgs<T>&, const float* sum_dy,
                 const float* sum_dy_xmu, float count, const TaskRunner&);
+  // The forward (bn_forward_cpu_kernels.inc).
+  void (*forward)(const BnForwardParams&, const BnForwardArgs<T>&, const TaskRunner&);
 };
 
-// The forward of one ISA path for one element type (bn_forward_cpu_kernels.inc).
+// The kernels of `isa`, or of the best supported path when this CPU lacks it (never an
+// illegal instruction). Defined in bn_grad_common.cc for float, half_t and bfloat16_t.
 template <typename T>
-using ForwardKernel = void (*)(const BnForwardParams&, const BnForwardArgs<T>&, const TaskRunner&);
+KernelSet<T> KernelsFor(CpuIsa isa);
 
 }  // namespace cpu
 
@@ -32,11 +36,6 @@ using ForwardKernel = void (*)(const BnForwardParams&, const BnForwardArgs<T>&, 
   extern template cpu::KernelSet<float> Kernels<float>();             \
   extern template cpu::KernelSet<half_t> Kernels<half_t>();           \
   extern template cpu::KernelSet<bfloat16_t> Kernels<bfloat16_t>();   \
-  template <typename T>                    \
-  cpu::ForwardKernel<T> ForwardKernel();   \
-  extern template cpu::ForwardKernel<float> ForwardKernel<float>();           \
-  extern template cpu::ForwardKernel<half_t> ForwardKernel<half_t>();         \
-  extern template cpu::ForwardKernel<bfloat16_t> ForwardKernel<bfloat16_t>(); \
   }
 FBN_DECLARE_ISA_KERNELS(baseline)
 FBN_DECLARE_ISA_KERNELS(avx2)
