@@ -461,9 +461,11 @@ def _rel_err(out, ref):
     return diff / max(scale, 1e-30)
 
 
-def _check(name, outs, ref, dtype, case_name, ref_name):
-    errs = {k: _rel_err(o, r) for k, o, r in zip(("dx", "dscale", "doffset"), outs, ref)}
-    tol = {"dx": DX_TOL[dtype], "dscale": VEC_TOL, "doffset": VEC_TOL}
+def _check(name, outs, ref, dtype, case_name, ref_name, keys=("dx", "dscale", "doffset")):
+    """Relative errors of `outs` against `ref`, named by `keys`; raises CorrectnessError
+    beyond the tolerances (y and dx: DX_TOL of the dtype; the float32 vectors: VEC_TOL)."""
+    errs = {k: _rel_err(o, r) for k, o, r in zip(keys, outs, ref)}
+    tol = {k: DX_TOL[dtype] if k in ("y", "dx") else VEC_TOL for k in keys}
     bad = {k: v for k, v in errs.items() if not v <= tol[k]}
     if bad:
         raise CorrectnessError(
@@ -1119,18 +1121,9 @@ def _layer_callables(x, scale, offset, dy, fmt, dtype, epsilon, support, torch, 
 
 
 def _layer_check(name, outs, ref, dtype, case_name, ref_name):
-    """Relative errors of (y, dx, dscale, doffset) against the reference's; raises
-    CorrectnessError beyond the tolerances (y and dx: DX_TOL of the dtype)."""
-    keys = ("y", "dx", "dscale", "doffset")
-    errs = {k: _rel_err(o, r) for k, o, r in zip(keys, outs, ref)}
-    tol = {"y": DX_TOL[dtype], "dx": DX_TOL[dtype], "dscale": VEC_TOL, "doffset": VEC_TOL}
-    bad = {k: v for k, v in errs.items() if not v <= tol[k]}
-    if bad:
-        raise CorrectnessError(
-            "%s differs from %s on %s: %s (tolerances %s)" % (
-                name, ref_name, case_name,
-                ", ".join("%s rel err %.3g" % kv for kv in bad.items()), tol))
-    return errs
+    """_check of a layer step's (y, dx, dscale, doffset)."""
+    return _check(name, outs, ref, dtype, case_name, ref_name,
+                  keys=("y", "dx", "dscale", "doffset"))
 
 
 def _relu_check(name, outs, ref, x, dy, scale, epsilon, fmt, dtype, case_name, ref_name):
