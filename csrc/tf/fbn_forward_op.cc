@@ -154,21 +154,8 @@ class FbnForwardCpuOp : public FbnForwardOpBase {
   }
 };
 
-#define FBN_REGISTER_CPU(T)                                                                 \
-  REGISTER_KERNEL_BUILDER(Name(kForwardOpName)                                              \
-                              .Device(tensorflow::DEVICE_CPU)                               \
-                              .TypeConstraint<T>("T")                                       \
-                              .TypeConstraint<float>("U"),                                  \
-                          FbnForwardCpuOp<T>);                                              \
-  REGISTER_KERNEL_BUILDER(Name(kForwardExOpName)                                            \
-                              .Device(tensorflow::DEVICE_CPU)                               \
-                              .TypeConstraint<T>("T")                                       \
-                              .TypeConstraint<float>("U"),                                  \
-                          FbnForwardCpuOp<T>);
-FBN_REGISTER_CPU(float)
-FBN_REGISTER_CPU(Eigen::half)
-FBN_REGISTER_CPU(Eigen::bfloat16)
-#undef FBN_REGISTER_CPU
+FBN_REGISTER_KERNELS(kForwardOpName, tensorflow::DEVICE_CPU, FbnForwardCpuOp);
+FBN_REGISTER_KERNELS(kForwardExOpName, tensorflow::DEVICE_CPU, FbnForwardCpuOp);
 
 #if FBN_WITH_CUDA
 // GPU kernel: reserve_space_2 receives the inverse std (cuDNN's convention, what TF's GPU
@@ -188,21 +175,8 @@ class FbnForwardGpuOp : public FbnForwardOpBase {
   }
 };
 
-#define FBN_REGISTER_GPU(T)                                                                 \
-  REGISTER_KERNEL_BUILDER(Name(kForwardOpName)                                              \
-                              .Device(tensorflow::DEVICE_GPU)                               \
-                              .TypeConstraint<T>("T")                                       \
-                              .TypeConstraint<float>("U"),                                  \
-                          FbnForwardGpuOp<T>);                                              \
-  REGISTER_KERNEL_BUILDER(Name(kForwardExOpName)                                            \
-                              .Device(tensorflow::DEVICE_GPU)                               \
-                              .TypeConstraint<T>("T")                                       \
-                              .TypeConstraint<float>("U"),                                  \
-                          FbnForwardGpuOp<T>);
-FBN_REGISTER_GPU(float)
-FBN_REGISTER_GPU(Eigen::half)
-FBN_REGISTER_GPU(Eigen::bfloat16)
-#undef FBN_REGISTER_GPU
+FBN_REGISTER_KERNELS(kForwardOpName, tensorflow::DEVICE_GPU, FbnForwardGpuOp);
+FBN_REGISTER_KERNELS(kForwardExOpName, tensorflow::DEVICE_GPU, FbnForwardGpuOp);
 #endif  // FBN_WITH_CUDA
 
 }  // namespace fbn_tf

@@ -183,19 +183,8 @@ class FbnGradCpuOp : public FbnGradOpBase {
   }
 };
 
-#define FBN_REGISTER_CPU(T)                                                                 \
-  REGISTER_KERNEL_BUILDER(                                                                  \
-      Name(kOpName).Device(tensorflow::DEVICE_CPU).TypeConstraint<T>("T").TypeConstraint<float>( \
-          "U"),                                                                             \
-      FbnGradCpuOp<T>);                                                                     \
-  REGISTER_KERNEL_BUILDER(                                                                  \
-      Name(kExOpName).Device(tensorflow::DEVICE_CPU).TypeConstraint<T>("T").TypeConstraint<float>( \
-          "U"),                                                                             \
-      FbnGradCpuOp<T>);
-FBN_REGISTER_CPU(float)
-FBN_REGISTER_CPU(Eigen::half)
-FBN_REGISTER_CPU(Eigen::bfloat16)
-#undef FBN_REGISTER_CPU
+FBN_REGISTER_KERNELS(kOpName, tensorflow::DEVICE_CPU, FbnGradCpuOp);
+FBN_REGISTER_KERNELS(kExOpName, tensorflow::DEVICE_CPU, FbnGradCpuOp);
 
 // ---- split backward for cross-replica batch norm (CPU) --------------------------------------
 // reduce: local per-channel sums; the caller all-reduces them; apply: x_backprop from the
@@ -373,21 +362,8 @@ class FbnGradApplyOp : public SplitOpBase {
   }
 };
 
-#define FBN_REGISTER_SPLIT(T)                                                                \
-  REGISTER_KERNEL_BUILDER(Name("FbnGrad>BatchNormGradReduce")                                \
-                              .Device(tensorflow::DEVICE_CPU)                                \
-                              .TypeConstraint<T>("T")                                        \
-                              .TypeConstraint<float>("U"),                                   \
-                          FbnGradReduceOp<T>);                                               \
-  REGISTER_KERNEL_BUILDER(Name("FbnGrad>BatchNormGradApply")                                 \
-                              .Device(tensorflow::DEVICE_CPU)                                \
-                              .TypeConstraint<T>("T")                                        \
-                              .TypeConstraint<float>("U"),                                   \
-                          FbnGradApplyOp<T>);
-FBN_REGISTER_SPLIT(float)
-FBN_REGISTER_SPLIT(Eigen::half)
-FBN_REGISTER_SPLIT(Eigen::bfloat16)
-#undef FBN_REGISTER_SPLIT
+FBN_REGISTER_KERNELS("FbnGrad>BatchNormGradReduce", tensorflow::DEVICE_CPU, FbnGradReduceOp);
+FBN_REGISTER_KERNELS("FbnGrad>BatchNormGradApply", tensorflow::DEVICE_CPU, FbnGradApplyOp);
 
 #if FBN_WITH_CUDA
 // GPU kernel: TF's GPU forward stores the inverse std in reserve_space_2 (cuDNN), so the
@@ -407,21 +383,8 @@ class FbnGradGpuOp : public FbnGradOpBase {
   }
 };
 
-#define FBN_REGISTER_GPU(T)                                                                 \
-  REGISTER_KERNEL_BUILDER(Name(kOpName)                                                     \
-                              .Device(tensorflow::DEVICE_GPU)                               \
-                              .TypeConstraint<T>("T")                                       \
-                              .TypeConstraint<float>("U"),                                  \
-                          FbnGradGpuOp<T>);                                                 \
-  REGISTER_KERNEL_BUILDER(Name(kExOpName)                                                   \
-                              .Device(tensorflow::DEVICE_GPU)                               \
-                              .TypeConstraint<T>("T")                                       \
-                              .TypeConstraint<float>("U"),                                  \
-                          FbnGradGpuOp<T>);
-FBN_REGISTER_GPU(float)
-FBN_REGISTER_GPU(Eigen::half)
-FBN_REGISTER_GPU(Eigen::bfloat16)
-#undef FBN_REGISTER_GPU
+FBN_REGISTER_KERNELS(kOpName, tensorflow::DEVICE_GPU, FbnGradGpuOp);
+FBN_REGISTER_KERNELS(kExOpName, tensorflow::DEVICE_GPU, FbnGradGpuOp);
 #endif  // FBN_WITH_CUDA
 
 }  // namespace fbn_tf

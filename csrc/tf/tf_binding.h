@@ -96,4 +96,16 @@ void LaunchOnOpStream(tensorflow::OpKernelContext* ctx, size_t workspace_bytes,
 
 }  // namespace fbn_tf
 
+// Registers KERNEL<T> as the kernel of op NAME on DEVICE (tensorflow::DEVICE_CPU or
+// DEVICE_GPU) for every element type T: float, half, bfloat16 (the statistics type U is
+// float). Expands to declarations; use it at namespace scope, followed by a semicolon.
+#define FBN_REGISTER_ONE_KERNEL(NAME, DEVICE, KERNEL, T)                                \
+  REGISTER_KERNEL_BUILDER(                                                              \
+      Name(NAME).Device(DEVICE).TypeConstraint<T>("T").TypeConstraint<float>("U"),      \
+      KERNEL<T>)
+#define FBN_REGISTER_KERNELS(NAME, DEVICE, KERNEL)                                      \
+  FBN_REGISTER_ONE_KERNEL(NAME, DEVICE, KERNEL, float);                                 \
+  FBN_REGISTER_ONE_KERNEL(NAME, DEVICE, KERNEL, Eigen::half);                           \
+  FBN_REGISTER_ONE_KERNEL(NAME, DEVICE, KERNEL, Eigen::bfloat16)
+
 #endif  // FBN_GRAD_TF_TF_TF_BINDING_H_
