@@ -78,3 +78,21 @@ def test_tf_version_mismatch_is_a_clear_import_error():
                          timeout=120).stdout
     assert "ERR fbn_grad_tf was built against TensorFlow 2.21.0 but TensorFlow 2.99.0" in out
     assert "rebuild" in out
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
+@pytest.mark.parametrize("library", ["_core", "_fbn_grad_ops"])
+def test_cpu_kernels_keep_their_software_prefetches(library):
+    """The backward's software prefetch (PrefetchInputs) must survive into the binaries.
+    GCC once marked the prefetch-only helpers `const` and deleted every call: the source
+    said prefetch, the machine code had none, and only a benchmark could tell. Counted per
+    library over all four ISA paths (each compiles the prefetch loops several times)."""
+    import glob
+    found = glob.glob(os.path.join(os.path.dirname(fbn_grad_tf.__file__), library + "*.so"))
+    assert found, "%s*.so not found next to %s" % (library, fbn_grad_tf.__file__)
+    path = found[0]
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], check=True,
+                         capture_output=True, text=True).stdout
+    count = sum(1 for line in asm.splitlines() if "\tprefetcht0" in line)
+    assert count >= 16, "%s: %d prefetcht0 instructions; the kernels' prefetches were " \
+        "optimized away" % (os.path.basename(path), count)

@@ -29,7 +29,10 @@ BITWISE_CASES = [
     ("NCDHW", (2, 3, 4, 80, 70)),   # planes of 22400 > 16384: two pieces per plane
     ("NDHWC", (2, 4, 30, 30, 17)),  # odd channel count
     ("NHWC", (3, 140, 170, 1)),     # C = 1: one plane
-    ("NHWC", (2, 6, 7, 1000)),      # rows longer than a conversion segment
+    ("NHWC", (2, 6, 7, 1000)),      # rows longer than a float run (512), one 16-bit run
+    ("NHWC", (4, 16, 16, 64)),      # whole 64-channel register blocks, many rows per run
+    ("NHWC", (2, 20, 20, 48)),      # a 3-group block on AVX-512, 2 + 1 on AVX2, 1 x 3 baseline
+    ("NHWC", (1, 4, 20, 2100)),     # rows longer than every run: rows split at run offsets
 ]
 
 
