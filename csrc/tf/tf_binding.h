@@ -44,21 +44,25 @@ typename CoreType<T>::type* CoreData(tensorflow::Tensor* t) {
   return reinterpret_cast<typename CoreType<T>::type*>(t->flat<T>().data());
 }
 
-// Runs core tasks on the op's intra-op thread pool (honours
-// tf.config.threading.set_intra_op_parallelism_threads).
+// Runs core tasks with as many threads as the op's intra-op thread pool has (so it honours
+// tf.config.threading.set_intra_op_parallelism_threads), on the core's own worker pool: the
+// calling TF thread plus sleeping workers, one contiguous claim of tasks at a time
+// (fbn::ThreadRunner). Eigen's ParallelFor on TF's pool, used before, was 10-20% slower on
+// the same kernels (2-core Xeon, one op per tf.function call: 32x28x28x512 float32 NHWC
+// training 8.4-8.9 -> 6.7-7.2 ms, 256x1x1x4096 1.33-1.48 -> 1.16-1.20 ms). Results do not
+// depend on the partition (fixed-order combine), so they are bitwise the same either way.
 class IntraOpRunner : public fbn::TaskRunner {
  public:
-  explicit IntraOpRunner(tensorflow::thread::ThreadPool* pool) : pool_(pool) {}
+  explicit IntraOpRunner(tensorflow::thread::ThreadPool* pool) : threads_(pool->NumThreads()) {}
   explicit IntraOpRunner(tensorflow::OpKernelContext* ctx)
-      : pool_(ctx->device()->tensorflow_cpu_worker_threads()->workers) {}
+      : IntraOpRunner(ctx->device()->tensorflow_cpu_worker_threads()->workers) {}
   void Run(int64_t num_tasks, int64_t cost_per_task,
            const std::function<void(int64_t, int64_t)>& fn) const override {
-    // ~4 cycles per element and pass is a fair cost model for a bandwidth-bound kernel.
-    pool_->ParallelFor(num_tasks, cost_per_task * 4, [&fn](int64_t b, int64_t e) { fn(b, e); });
+    threads_.Run(num_tasks, cost_per_task, fn);
   }
 
  private:
-  tensorflow::thread::ThreadPool* pool_;
+  fbn::ThreadRunner threads_;
 };
 
 inline std::vector<int64_t> Dims(const tensorflow::Tensor& t) {
