@@ -67,7 +67,7 @@ from fbn_grad_tf import _build_info, core
 import os
 assert core._core.__file__.startswith(os.environ["FBN_ASAN_WORK"]), core._core.__file__
 print("[asan] module:", core._core.__file__, "| WITH_ASAN =", _build_info.WITH_ASAN,
-      "| ISA paths:", [i for i in ("baseline", "avx2", "avx512", "avx512bf16") if core.cpu_supports(i)])
+      "| ISA paths:", [i for i in core.CPU_ISAS if core.cpu_supports(i)])
 assert _build_info.WITH_ASAN, "not the ASan build"
 import test_hardening_fuzz as fz
 t0 = time.time()

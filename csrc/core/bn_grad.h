@@ -143,7 +143,13 @@ class ThreadRunner : public TaskRunner {
 // All paths produce bitwise identical results (same summation order, FMA contraction off,
 // identical rounding in the 16-bit conversions); they differ only in speed.
 enum class CpuIsa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+// Every path, lowest first.
+constexpr CpuIsa kCpuIsas[] = {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512,
+                               CpuIsa::kAvx512Bf16};
 const char* CpuIsaName(CpuIsa isa);
+// A path by its CpuIsaName (or "scalar", an old name of baseline); false for any other
+// string, "auto" included.
+bool ParseCpuIsa(const std::string& name, CpuIsa* out);
 bool CpuSupports(CpuIsa isa);
 // The best supported path, unless the environment variable FBN_GRAD_TF_ISA
 // (baseline | avx2 | avx512 | avx512bf16 | auto) asks for a lower one. Read once.

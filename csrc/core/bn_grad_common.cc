@@ -335,6 +335,20 @@ const char* CpuIsaName(CpuIsa isa) {
   return "?";
 }
 
+bool ParseCpuIsa(const std::string& name, CpuIsa* out) {
+  for (CpuIsa isa : kCpuIsas) {
+    if (name == CpuIsaName(isa)) {
+      *out = isa;
+      return true;
+    }
+  }
+  if (name == "scalar") {
+    *out = CpuIsa::kBaseline;
+    return true;
+  }
+  return false;
+}
+
 bool CpuSupports(CpuIsa isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
@@ -371,15 +385,7 @@ CpuIsa DefaultCpuIsa() {
     const char* env = std::getenv("FBN_GRAD_TF_ISA");
     if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return best;
     CpuIsa want;
-    if (std::strcmp(env, "baseline") == 0 || std::strcmp(env, "scalar") == 0) {
-      want = CpuIsa::kBaseline;
-    } else if (std::strcmp(env, "avx2") == 0) {
-      want = CpuIsa::kAvx2;
-    } else if (std::strcmp(env, "avx512") == 0) {
-      want = CpuIsa::kAvx512;
-    } else if (std::strcmp(env, "avx512bf16") == 0) {
-      want = CpuIsa::kAvx512Bf16;
-    } else {
+    if (!ParseCpuIsa(env, &want)) {
       std::fprintf(stderr,
                    "fbn_grad_tf: ignoring FBN_GRAD_TF_ISA=%s (expected baseline, avx2, avx512, "
                    "avx512bf16 or auto); using %s\n",

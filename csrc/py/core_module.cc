@@ -33,10 +33,8 @@ fbn::DataFormat Format(const std::string& s) {
 
 fbn::CpuIsa Isa(const std::string& s) {
   if (s == "auto") return fbn::DefaultCpuIsa();
-  if (s == "baseline" || s == "scalar") return fbn::CpuIsa::kBaseline;
-  if (s == "avx2") return fbn::CpuIsa::kAvx2;
-  if (s == "avx512") return fbn::CpuIsa::kAvx512;
-  if (s == "avx512bf16") return fbn::CpuIsa::kAvx512Bf16;
+  fbn::CpuIsa isa;
+  if (fbn::ParseCpuIsa(s, &isa)) return isa;
   throw py::value_error("isa must be auto, baseline, avx2, avx512 or avx512bf16, got '" + s + "'");
 }
 
@@ -278,9 +276,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("default_isa", [] { return std::string(fbn::CpuIsaName(fbn::DefaultCpuIsa())); });
   m.def("isa_names", [] {
     std::vector<std::string> names;
-    for (fbn::CpuIsa isa : {fbn::CpuIsa::kBaseline, fbn::CpuIsa::kAvx2, fbn::CpuIsa::kAvx512,
-                            fbn::CpuIsa::kAvx512Bf16})
-      names.push_back(fbn::CpuIsaName(isa));
+    for (fbn::CpuIsa isa : fbn::kCpuIsas) names.push_back(fbn::CpuIsaName(isa));
     return names;
   }, "Names of every CPU path compiled in, lowest first (cpu_supports says which can run).");
   m.def("half_to_float", [](uint16_t b) { return fbn::HalfToFloat(fbn::half_t{b}); });
