@@ -123,7 +123,7 @@ class TaskRunner {
 
 // Runs tasks on up to `num_threads` threads (1 = inline; the others from a process-wide pool
 // of worker threads, started on first use and reused). Used by the pybind11 module and by
-// the TF ops (sized there by TF's intra-op pool: IntraOpRunner in csrc/tf/tf_binding.h).
+// the TF ops (sized there by TF's intra-op pool: IntraOpThreads in csrc/tf/tf_binding.h).
 class ThreadRunner : public TaskRunner {
  public:
   explicit ThreadRunner(int num_threads) : num_threads_(num_threads < 1 ? 1 : num_threads) {}

@@ -44,26 +44,16 @@ typename CoreType<T>::type* CoreData(tensorflow::Tensor* t) {
   return reinterpret_cast<typename CoreType<T>::type*>(t->flat<T>().data());
 }
 
-// Runs core tasks with as many threads as the op's intra-op thread pool has (so it honours
-// tf.config.threading.set_intra_op_parallelism_threads), on the core's own worker pool: the
-// calling TF thread plus sleeping workers, one contiguous claim of tasks at a time
-// (fbn::ThreadRunner). Eigen's ParallelFor on TF's pool, used before, was 10-20% slower on
+// The task runner of an op's core call: the core's own worker pool (fbn::ThreadRunner: the
+// calling TF thread plus sleeping workers, one contiguous claim of tasks at a time) with as
+// many threads as the op's intra-op thread pool has (so it honours
+// tf.config.threading.set_intra_op_parallelism_threads). Eigen's ParallelFor on TF's pool, used before, was 10-20% slower on
 // the same kernels (2-core Xeon, one op per tf.function call: 32x28x28x512 float32 NHWC
 // training 8.4-8.9 -> 6.7-7.2 ms, 256x1x1x4096 1.33-1.48 -> 1.16-1.20 ms). Results do not
 // depend on the partition (fixed-order combine), so they are bitwise the same either way.
-class IntraOpRunner : public fbn::TaskRunner {
- public:
-  explicit IntraOpRunner(tensorflow::thread::ThreadPool* pool) : threads_(pool->NumThreads()) {}
-  explicit IntraOpRunner(tensorflow::OpKernelContext* ctx)
-      : IntraOpRunner(ctx->device()->tensorflow_cpu_worker_threads()->workers) {}
-  void Run(int64_t num_tasks, int64_t cost_per_task,
-           const std::function<void(int64_t, int64_t)>& fn) const override {
-    threads_.Run(num_tasks, cost_per_task, fn);
-  }
-
- private:
-  fbn::ThreadRunner threads_;
-};
+inline fbn::ThreadRunner IntraOpThreads(tensorflow::OpKernelContext* ctx) {
+  return fbn::ThreadRunner(ctx->device()->tensorflow_cpu_worker_threads()->workers->NumThreads());
+}
 
 inline std::vector<int64_t> Dims(const tensorflow::Tensor& t) {
   std::vector<int64_t> d(t.dims());
