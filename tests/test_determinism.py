@@ -2,7 +2,8 @@
 
 TensorFlow's thread pools cannot be resized after initialization, so each configuration runs
 in a child Python process: intra-op threads 1, 2 and 4 (and the CPU paths forced through
-FBN_GRAD_TF_ISA), on the same seeded inputs, each computing every case twice. The children
+FBN_GRAD_TF_ISA, and every call at once in one tf.function with inter-op parallelism), on
+the same seeded inputs, each computing every case twice. The children
 save the raw output bits; all of them must be identical.
 """
 import os
@@ -31,36 +32,51 @@ CASES = [
 
 CHILD = textwrap.dedent(r"""
     import os, sys
-    threads, out_path = int(sys.argv[1]), sys.argv[2]
+    threads, out_path, inter = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     sys.path.insert(0, %(tests_dir)r)
     import numpy as np
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(inter)
     import fbn_grad_tf
     from fbn_grad_tf import core
     from helpers import bits, make_inputs
     cases = %(cases)r
     result = {"intra_op_threads": np.array(tf.config.threading.get_intra_op_parallelism_threads()),
               "isa": np.array(core.default_isa())}
+    calls = {}
     for i, (fmt, shape, dtype) in enumerate(cases):
         for training in (True, False):
             inputs = make_inputs(shape, fmt, dtype, training, seed=1000 + i)
             for rep in range(2):
-                out = fbn_grad_tf.fused_batch_norm_grad(*inputs, data_format=fmt,
-                                                        is_training=training)
-                for k, t in zip(("dx", "dscale", "doffset"), out[:3]):
-                    result["%%d-%%s-%%d-%%s" %% (i, training, rep, k)] = bits(t.numpy())
+                calls[(i, training, rep)] = (inputs, fmt, training)
+
+    def run_all():
+        return {key: fbn_grad_tf.fused_batch_norm_grad(*inputs, data_format=fmt,
+                                                       is_training=training)[:3]
+                for key, (inputs, fmt, training) in calls.items()}
+    if inter > 1:
+        # All calls in one graph: TF's executor runs independent ops at the same time, so
+        # ours share the intra-op pool with each other (helpers join late or not at all).
+        outs = tf.function(run_all)()
+    else:
+        outs = run_all()
+    for (i, training, rep), out in outs.items():
+        for k, t in zip(("dx", "dscale", "doffset"), out):
+            result["%%d-%%s-%%d-%%s" %% (i, training, rep, k)] = bits(t.numpy())
     np.savez(out_path, **result)
 """) % {"tests_dir": TESTS_DIR, "cases": CASES}
 
-CONFIGS = {  # name -> (intra-op threads, extra environment)
-    "threads1": (1, {}),
-    "threads2": (2, {}),
-    "threads4": (4, {}),  # (every configuration is a separate process: run-to-run too)
+CONFIGS = {  # name -> (intra-op threads, inter-op threads, extra environment)
+    "threads1": (1, 1, {}),
+    "threads2": (2, 1, {}),
+    "threads4": (4, 1, {}),  # (every configuration is a separate process: run-to-run too)
     # The CPU path forced through the environment (the other paths are compared with each
     # other in test_core_numpy.py; this checks the op honours the override).
-    "threads3-baseline": (3, {"FBN_GRAD_TF_ISA": "baseline"}),
+    "threads3-baseline": (3, 1, {"FBN_GRAD_TF_ISA": "baseline"}),
+    # Every call in one tf.function with 4 inter-op threads: our ops run at the same time
+    # and compete for the 2 intra-op threads.
+    "threads2-concurrent": (2, 4, {}),
 }
 
 
@@ -69,10 +85,11 @@ def child_outputs(tmp_path_factory):
     """Runs every configuration in its own child process (concurrently) -> {name: npz}."""
     tmp = tmp_path_factory.mktemp("determinism")
     procs = {}
-    for name, (threads, env) in CONFIGS.items():
+    for name, (threads, inter, env) in CONFIGS.items():
         path = str(tmp / (name + ".npz"))
         procs[name] = (path, subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(threads), path], env=subprocess_env(**env),
+            [sys.executable, "-c", CHILD, str(threads), path, str(inter)],
+            env=subprocess_env(**env),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = {}
     for name, (path, p) in procs.items():
@@ -87,7 +104,7 @@ def child_outputs(tmp_path_factory):
 
 
 def test_children_ran_with_requested_configuration(child_outputs):
-    for name, (threads, env) in CONFIGS.items():
+    for name, (threads, _, env) in CONFIGS.items():
         out = child_outputs[name]
         assert int(out["intra_op_threads"]) == threads
         assert str(out["isa"]) == env.get("FBN_GRAD_TF_ISA", core.default_isa())

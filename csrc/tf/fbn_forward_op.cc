@@ -149,7 +149,7 @@ class FbnForwardCpuOp : public FbnForwardOpBase {
     fbn::BnForwardParams params;
     fbn::BnForwardArgs<typename CoreType<T>::type> args;
     if (!Prepare<T>(ctx, fbn::SavedStat::kVariance, &params, &args)) return;
-    const fbn::ThreadRunner runner = IntraOpThreads(ctx);
+    const auto runner = IntraOpThreads(ctx);
     fbn::BnForwardCpu(params, args, runner, fbn::DefaultCpuIsa());
   }
 };

@@ -178,7 +178,7 @@ class FbnGradCpuOp : public FbnGradOpBase {
   void Compute(OpKernelContext* ctx) override {
     Prepared p;
     if (!Prepare(ctx, fbn::SavedStat::kVariance, &p)) return;
-    const fbn::ThreadRunner runner = IntraOpThreads(ctx);
+    const auto runner = IntraOpThreads(ctx);
     fbn::BnGradCpu(p.params, Args<T>(ctx, &p), runner, fbn::DefaultCpuIsa());
   }
 };
@@ -324,7 +324,7 @@ class FbnGradReduceOp : public SplitOpBase {
     a.dy = CoreData<T>(ctx->input(0));
     a.x = CoreData<T>(ctx->input(1));
     a.saved_mean = ctx->input(2).flat<float>().data();
-    const fbn::ThreadRunner runner = IntraOpThreads(ctx);
+    const auto runner = IntraOpThreads(ctx);
     fbn::BnGradReduceCpu(params, a, sum_dy->flat<float>().data(),
                          sum_dy_xmu->flat<float>().data(), runner, fbn::DefaultCpuIsa());
   }
@@ -356,7 +356,7 @@ class FbnGradApplyOp : public SplitOpBase {
     a.saved_mean = ctx->input(3).flat<float>().data();
     a.saved_var = ctx->input(4).flat<float>().data();
     a.dx = CoreData<T>(dx);
-    const fbn::ThreadRunner runner = IntraOpThreads(ctx);
+    const auto runner = IntraOpThreads(ctx);
     fbn::BnGradApplyCpu(params, a, ctx->input(5).flat<float>().data(),
                         ctx->input(6).flat<float>().data(), n, runner, fbn::DefaultCpuIsa());
   }

@@ -3,8 +3,13 @@
 #ifndef FBN_GRAD_TF_TF_TF_BINDING_H_
 #define FBN_GRAD_TF_TF_TF_BINDING_H_
 
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
@@ -44,15 +49,105 @@ typename CoreType<T>::type* CoreData(tensorflow::Tensor* t) {
   return reinterpret_cast<typename CoreType<T>::type*>(t->flat<T>().data());
 }
 
-// The task runner of an op's core call: the core's own worker pool (fbn::ThreadRunner: the
-// calling TF thread plus sleeping workers, one contiguous claim of tasks at a time) with as
-// many threads as the op's intra-op thread pool has (so it honours
-// tf.config.threading.set_intra_op_parallelism_threads). Eigen's ParallelFor on TF's pool, used before, was 10-20% slower on
-// the same kernels (2-core Xeon, one op per tf.function call: 32x28x28x512 float32 NHWC
-// training 8.4-8.9 -> 6.7-7.2 ms, 256x1x1x4096 1.33-1.48 -> 1.16-1.20 ms). Results do not
-// depend on the partition (fixed-order combine), so they are bitwise the same either way.
-inline fbn::ThreadRunner IntraOpThreads(tensorflow::OpKernelContext* ctx) {
-  return fbn::ThreadRunner(ctx->device()->tensorflow_cpu_worker_threads()->workers->NumThreads());
+// The task runner of an op's core call, built to share the cores with the rest of a model.
+// Inside a model TF's executor runs independent ops at the same time (a convolution's filter
+// gradient beside a BN backward), each on an inter-op thread, and their inner parallel loops
+// on the one intra-op pool. So:
+//   * the calling thread always works: it claims blocks of tasks until none are left;
+//   * helpers are closures scheduled on TF's intra-op pool (never threads of our own): a
+//     helper that a free pool thread picks up joins the claiming, one that starts after the
+//     last block is claimed returns at once; the caller never waits for a helper that has
+//     not started, so a pool busy with another op costs us parallelism, not a stall;
+//   * nothing serializes two of our ops: each call has its own claim state.
+// Our earlier private worker pool (one extra thread per intra-op thread, one run at a time)
+// won single-op microbenchmarks but oversubscribed the cores beside TF's threads inside models
+// and queued concurrent BN ops behind each other (see docs/BENCHMARK.md, "Inside models").
+// Results do not depend on who runs which block (fixed-order combine): bitwise the same for
+// any thread count and any interleaving.
+class IntraOpPoolRunner final : public fbn::TaskRunner {
+ public:
+  explicit IntraOpPoolRunner(tensorflow::thread::ThreadPool* pool) : pool_(pool) {}
+
+  void Run(int64_t num_tasks, int64_t cost_per_task,
+           const std::function<void(int64_t, int64_t)>& fn) const override {
+    if (num_tasks <= 0) return;
+    // Below ~64K elements of work, waking a helper costs more than it saves.
+    const int64_t total = num_tasks * (cost_per_task > 0 ? cost_per_task : 1);
+    const int64_t threads =
+        pool_ == nullptr ? 1 : std::min<int64_t>(pool_->NumThreads(), num_tasks);
+    if (threads <= 1 || total < 65536) {
+      fn(0, num_tasks);
+      return;
+    }
+    // Small blocks, so that a helper that arrives late still finds work to share.
+    const int64_t block = std::max<int64_t>(1, num_tasks / (threads * 8));
+    auto claim = std::make_shared<Claim>(num_tasks, block, &fn);
+    // The caller is one of the `threads` workers; when it is itself a thread of the pool, the
+    // pool has one fewer free thread to offer.
+    for (int64_t i = 1; i < threads; ++i) {
+      pool_->Schedule([claim] {
+        if (claim->Join()) {
+          claim->Drain();
+          claim->Leave();
+        }
+      });
+    }
+    claim->Drain();
+    claim->Close();
+  }
+
+ private:
+  // One Run's shared state. Shared-owned by the scheduled helpers: a helper may start long
+  // after Run returned, and then only reads `closed`.
+  struct Claim {
+    Claim(int64_t n, int64_t b, const std::function<void(int64_t, int64_t)>* f)
+        : num_tasks(n), block(b), fn(f) {}
+    // Runs blocks until none is left.
+    void Drain() {
+      for (;;) {
+        const int64_t b = next.fetch_add(block, std::memory_order_relaxed);
+        if (b >= num_tasks) return;
+        (*fn)(b, std::min(num_tasks, b + block));
+      }
+    }
+    // A helper may take part only while the caller has not closed the claim (fn is valid
+    // until Close returns).
+    bool Join() {
+      if (next.load(std::memory_order_relaxed) >= num_tasks) return false;
+      std::lock_guard<std::mutex> lk(mu);
+      if (closed) return false;
+      ++active;
+      return true;
+    }
+    void Leave() {
+      std::lock_guard<std::mutex> lk(mu);
+      if (--active == 0 && closed) done.notify_all();
+    }
+    // Caller, after its own Drain: no new helper may join; wait for the ones still working.
+    void Close() {
+      std::unique_lock<std::mutex> lk(mu);
+      closed = true;
+      done.wait(lk, [this] { return active == 0; });
+    }
+
+    const int64_t num_tasks;
+    const int64_t block;
+    const std::function<void(int64_t, int64_t)>* const fn;
+    std::atomic<int64_t> next{0};
+    std::mutex mu;
+    std::condition_variable done;
+    int active = 0;
+    bool closed = false;
+  };
+
+  tensorflow::thread::ThreadPool* pool_;
+};
+
+// The runner of an op's CPU core call: TF's intra-op pool of the op's device (so
+// tf.config.threading.set_intra_op_parallelism_threads decides the width).
+inline IntraOpPoolRunner IntraOpThreads(tensorflow::OpKernelContext* ctx) {
+  const auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+  return IntraOpPoolRunner(workers == nullptr ? nullptr : workers->workers);
 }
 
 inline std::vector<int64_t> Dims(const tensorflow::Tensor& t) {
