@@ -324,7 +324,7 @@ def _make_inputs(shape, dtype, seed):
 
 
 def _ours_op(dy, x, scale, rs1, rs2, rs3, epsilon, data_format, is_training):
-    from . import ops
+    from .. import ops
     return ops.fused_batch_norm_grad(dy, x, scale, rs1, rs2, rs3, epsilon=epsilon,
                                      data_format=data_format, is_training=is_training)
 
@@ -341,7 +341,7 @@ def _core_callable(args, epsilon, fmt, training, threads):
     NumPy copies of the same tensors, made once: a direct kernel call from Python, with no
     TF graph dispatch (about 0.2 ms per tf.function call on the 2-core machines), as
     PyTorch's eager call has none. Returns a zero-argument callable."""
-    from . import core
+    from .. import core
     dy, x, scale, rs1, rs2 = (np.asarray(t.numpy()) for t in args[:5])
 
     def call():
@@ -971,7 +971,7 @@ def ours_forward_support():
     can run here ("forward" is False when it cannot: fused_batch_norm(forward="ours") would
     quietly run TF's forward, which is not what the ours columns are for)."""
     import inspect
-    from . import nn
+    from .. import nn
     try:
         params = inspect.signature(nn.fused_batch_norm).parameters
     except (TypeError, ValueError):  # pragma: no cover
@@ -1070,7 +1070,7 @@ def _layer_callables(x, scale, offset, dy, fmt, dtype, epsilon, support, torch, 
     not for the others, name -> converter of its outputs to NumPy in the TF layout). x and dy
     are in `fmt`; x_nhwc/dy_nhwc the same data channels-last, from which PyTorch's tensors
     are made."""
-    from . import nn
+    from .. import nn
     fns, errors = {}, {}
     kw = dict(epsilon=epsilon, data_format=fmt, is_training=True)
 
@@ -1502,7 +1502,8 @@ def run_worker_subprocess(backend, config, timeout=None):
         # every large output is fresh pages from the OS (page faults) on every call.
         env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # python/ (the directory above the fbn_grad_tf package): bench/ -> fbn_grad_tf/ -> python/
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [
         p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     wcfg = dataclasses.replace(config, torch=False)
@@ -1540,7 +1541,7 @@ def _loadavg():
 
 
 def _machine_meta():
-    from . import _build_info
+    from .. import _build_info
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
             "cpu": _cpu_model(), "cores": os.cpu_count(),
             "python": platform.python_version(), "numpy": np.__version__,
@@ -1548,7 +1549,7 @@ def _machine_meta():
             "fbn_grad_tf_build": {k: getattr(_build_info, k) for k in dir(_build_info)
                                   if k.isupper()}}
     try:
-        from . import core
+        from .. import core
         meta["fbn_grad_tf_isa"] = core.default_isa() if callable(core.default_isa) \
             else core.default_isa
     except Exception as e:  # pragma: no cover
@@ -1643,7 +1644,3 @@ def main(argv=None):
         print("error: %s" % other_error, file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
