@@ -4,6 +4,7 @@
     python -m fbn_grad_tf.bench --quick            # ~1 minute subset
     python -m fbn_grad_tf.bench --json r.json --plot r.png
     python -m fbn_grad_tf.bench --layer            # whole BN layer training step (fwd + bwd)
+    python -m fbn_grad_tf.bench --model resnet50   # whole-model training steps (models.py)
 
 What one run does (see docs/BENCHMARK.md):
 
@@ -35,6 +36,7 @@ keeps working for every public name of the former single module):
 * contestants: our op, TF's, the core, PyTorch, and the --layer steps;
 * runs: run (backward grid, its worker subprocess) and run_layer;
 * report: merge, tables, summaries, plot;
+* models: --model, whole keras.applications models' training steps (see its docstring);
 * cli: the command line (main); __main__ runs it.
 """
 from .cases import (  # noqa: F401
@@ -52,5 +54,10 @@ from .runs import (  # noqa: F401
 from .report import (  # noqa: F401
     merge, format_table, SUMMARY_GROUPS, summarize, format_summary, plot, merge_layer,
     format_layer_table, summarize_layer, format_layer_summary, layer_notes, torch_header_note)
+from .models import (  # noqa: F401
+    POLICIES, BN_PASSES, MODEL_VARIANTS, MODEL_VARIANT_KEYS, ModelConfig, ModelVariant,
+    activations_after_bn, bn_facts, build_model, format_model_block, format_model_summary,
+    format_pair, main_model, model_config_from_args, model_names, model_stats, run_models,
+    run_one_model, run_pair, selected_variants, summarize_models)
 from .cli import (  # noqa: F401
     main_layer, build_parser, config_from_args, main)

@@ -13,6 +13,8 @@ from .timing import (
     onednn_enabled)
 from .contestants import LAYER_COLUMNS, LAYER_HEADERS, NEEDS_FORWARD
 from .runs import run, run_layer, run_worker_subprocess
+from .models import (
+    MODEL_VARIANT_KEYS, POLICIES as MODEL_POLICIES, ModelConfig, main_model)
 from .report import (
     format_layer_summary, format_layer_table, format_summary, format_table, layer_notes, merge,
     merge_layer, plot, summarize, summarize_layer, torch_header_note)
@@ -91,7 +93,8 @@ def build_parser():
         prog="python -m fbn_grad_tf.bench",
         description="Times fbn_grad_tf's FusedBatchNormGradV3 against TF's built-in op "
                     "(oneDNN and Eigen kernels) and, when importable, PyTorch's; with --layer, "
-                    "a whole BN layer training step against TF, Keras and PyTorch.")
+                    "a whole BN layer training step against TF, Keras and PyTorch; with "
+                    "--model, whole keras.applications models' training steps.")
     p.add_argument("--quick", action="store_true",
                    help="~1 minute subset: 2 shapes, float32+bfloat16, fewer reps")
     p.add_argument("--shapes", type=lambda s: tuple(parse_shape(t) for t in s.split(",")),
@@ -100,7 +103,8 @@ def build_parser():
     p.add_argument("--formats", type=lambda s: _split(s, FORMATS, "--formats"))
     p.add_argument("--modes", type=lambda s: _split(s, MODES, "--modes"))
     p.add_argument("--reps", type=int, help="fixed repetitions per case (default: "
-                   "time-budgeted, see --budget)")
+                   "time-budgeted, see --budget); --model: timed steps per variant "
+                   "(default %d)" % ModelConfig.reps)
     p.add_argument("--budget", type=float, help="seconds of the slowest contestant per "
                    "case (default 1.5; --quick 0.3), within --min-reps..--max-reps")
     p.add_argument("--min-reps", type=int)
@@ -124,6 +128,36 @@ def build_parser():
                         "ours, ours+ReLU, TF's forward with our backward, TF BN+ReLU, TF fused, "
                         "Keras 3 BatchNormalization, PyTorch; float32 NHWC unless --dtypes/"
                         "--formats say otherwise (--modes does not apply: training only)")
+    m = p.add_argument_group(
+        "--model", "whole-model training steps (fbn_grad_tf.bench.models): Keras 3 BN, TF fused, "
+        "ours and the no-BN floors, interleaved in this process; --reps, --threads, --json, "
+        "--bandwidth-mib and --no-progress apply too")
+    m.add_argument("--model", metavar="NAMES",
+                   help="comma list of keras.applications models (case-insensitive: resnet50, "
+                        "mobilenetv2, densenet121, ...; 'tiny' is a 3-layer CNN for smoke "
+                        "tests), built with weights=None on synthetic data")
+    m.add_argument("--batch", type=int, help="batch size (default %d)" % ModelConfig.batch)
+    m.add_argument("--size", type=int, help="image height and width (default %d)"
+                   % ModelConfig.size)
+    m.add_argument("--policy", choices=MODEL_POLICIES,
+                   help="Keras dtype policy for building the models (default float32)")
+    m.add_argument("--classes", type=int, help="classifier outputs (default %d)"
+                   % ModelConfig.classes)
+    m.add_argument("--variants", metavar="KEYS",
+                   help="comma list of variants to run (default: all available): %s"
+                        % ", ".join(MODEL_VARIANT_KEYS))
+    m.add_argument("--model-warmup", type=int, metavar="N",
+                   help="untimed steps per variant before timing, the first traces (default %d)"
+                        % ModelConfig.warmup)
+    m.add_argument("--bandwidth", type=float, metavar="GBS",
+                   help="memory bandwidth in GB/s for the roofline (default: measured)")
+    m.add_argument("--no-pair", action="store_true",
+                   help="skip the pair row (two independent BN layers at once vs in sequence)")
+    m.add_argument("--pair-shape", type=parse_shape, metavar="NxHxWxC",
+                   help="NHWC shape of each pair layer's input (default %s)"
+                        % "x".join(map(str, ModelConfig.pair_shape)))
+    m.add_argument("--pair-reps", type=int, metavar="N",
+                   help="repetitions of the pair row (default %d)" % ModelConfig.pair_reps)
     p.add_argument("--_worker", choices=("eigen", "onednn"), help=argparse.SUPPRESS)
     p.add_argument("--_config", help=argparse.SUPPRESS)
     return p
@@ -154,6 +188,8 @@ def config_from_args(args):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.model:
+        return main_model(args)
     config = config_from_args(args)
     if args._worker:
         res = run(config, label=args._worker)
