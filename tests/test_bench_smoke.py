@@ -460,3 +460,23 @@ def test_model_parse():
             ["--model", "tiny", "--variants", "ours,bogus"]))
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--model", "tiny", "--policy", "float64"])
+
+
+def test_model_converted_column_plugs_in(monkeypatch):
+    """The 'ours conv' column (issue 20's fbn_grad_tf.keras.convert) runs once convert exists:
+    here a stand-in that swaps the BN layers for ours; its cost is against floor-act, its
+    x against ours' BN+act cost (not the BN cost: another floor)."""
+    import fbn_grad_tf.keras as fbn_keras
+    models = bench.models
+    monkeypatch.setattr(fbn_keras, "convert", models._build_ours, raising=False)
+    cfg = bench.ModelConfig(models=("tiny",), batch=2, size=8, reps=2, warmup=1, pair=False,
+                            bandwidth_gbs=20.0, progress=False,
+                            variants=("keras", "ours", "ours_converted", "floor", "floor_act"))
+    res = bench.run_models(cfg)
+    assert res["meta"]["not_available"] == {}
+    v = res["models"][0]["variants"]
+    assert set(v) == {"keras", "ours", "ours_converted", "floor", "floor_act"}
+    conv = v["ours_converted"]
+    assert conv["cost"]["floor"] == conv["cost_act"]["floor"] == "floor_act"
+    assert "x_cost" not in conv and "x_cost_act" in conv and "x_step" in conv
+    assert "ours_converted" in res["models"][0]["loss_check"]

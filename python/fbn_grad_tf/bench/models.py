@@ -406,7 +406,8 @@ def model_stats(samples_ms, variants, config):
         e["x_step"] = _bootstrap_ratio(samples_ms[k], samples_ms[RATIO_BASE], config.bootstrap,
                                        rng)
         for name in ("cost", "cost_act"):
-            if name in e and name in base:
+            # only costs against the same floor compare (ours conv's cost is against floor_act)
+            if name in e and name in base and e[name]["floor"] == base[name]["floor"]:
                 e["x_" + name] = _bootstrap_ratio(e[name]["samples_ms"],
                                                   base[name]["samples_ms"], config.bootstrap, rng)
     return out
