@@ -460,6 +460,8 @@ def test_model_parse():
             ["--model", "tiny", "--variants", "ours,bogus"]))
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--model", "tiny", "--policy", "float64"])
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "tiny", "--layer"])
 
 
 def test_model_converted_column_plugs_in(monkeypatch):

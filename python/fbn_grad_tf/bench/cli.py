@@ -187,8 +187,11 @@ def config_from_args(args):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.model:
+        if args.layer or args.quick:
+            parser.error("--model does not combine with --layer or --quick")
         return main_model(args)
     config = config_from_args(args)
     if args._worker:
