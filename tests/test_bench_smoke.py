@@ -1,6 +1,7 @@
 """Smoke test of the benchmark (python -m fbn_grad_tf.bench): its core loop on tiny shapes,
 the built-in correctness check, the merge/table/summary code, and the command line with
-its TF_ENABLE_ONEDNN_OPTS=0 worker subprocess. No timing assertions."""
+its TF_ENABLE_ONEDNN_OPTS=0 worker subprocess; --layer; --model on a tiny CNN (and the
+variants of a real keras.applications model, cloned, not run). No timing assertions."""
 import json
 import math
 
@@ -68,13 +69,13 @@ def test_run_tiny_grid():
 
 
 def test_check_fails_loudly(monkeypatch):
-    real = bench._ours_op
+    real = bench.contestants._ours_op
 
     def wrong(*args, **kw):
         out = real(*args, **kw)
         return (out[0] * 1.5,) + tuple(out[1:])
 
-    monkeypatch.setattr(bench, "_ours_op", wrong)
+    monkeypatch.setattr(bench.contestants, "_ours_op", wrong)  # where run() looks it up
     cfg = bench.Config(dtypes=("float32",), formats=("NHWC",), modes=("training",), **TINY)
     with pytest.raises(bench.CorrectnessError, match="dx rel err"):
         bench.run(cfg)
@@ -368,3 +369,116 @@ def test_layer_parse_defaults():
     cfg = bench.config_from_args(bench.build_parser().parse_args(
         ["--layer", "--quick", "--dtypes", "bf16"]))
     assert cfg.shapes == bench.QUICK_SHAPES and cfg.dtypes == ("bfloat16",)
+
+
+# ---- --model: whole keras.applications models (smoke form: one tiny model, a few steps) -------
+
+MODEL_TINY = ["--model", "tiny", "--size", "16", "--batch", "4", "--reps", "3",
+              "--model-warmup", "1", "--bandwidth", "20", "--pair-shape", "2x4x4x8",
+              "--pair-reps", "2", "--no-progress"]
+
+
+def test_model_mode_tiny(tmp_path, capsys):
+    """The model mode end to end on the tiny CNN: every available variant timed, costs against
+    the floors, ratios, roofline, pair row, JSON. No timing assertions (signs of costs are
+    noise on a model this small)."""
+    out = tmp_path / "m.json"
+    rc = bench.main(MODEL_TINY + ["--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    for text in ("tiny  batch 4, 16x16, float32: 3 BN layers (3 on our fused path)",
+                 "BN roofline", "Summary", "pair: two independent BN layers", "x BN cost"):
+        assert text in printed, text
+    data = json.loads(out.read_text())
+    assert data["meta"]["mode"] == "model" and data["meta"]["bandwidth_gbs"] == 20
+    (res,) = data["models"]
+    assert res["bn_layers"] == 3 and res["activations_after_bn"] == 3
+    assert res["bn_elements"] == 4 * (16 * 16 * 8 + 8 * 8 * 16 + 4 * 4 * 16)
+    assert res["roofline"]["bytes"] == res["bn_elements"] * bench.BN_PASSES * 4
+    assert res["roofline"]["ms"] == pytest.approx(res["roofline"]["bytes"] / 20e9 * 1e3)
+    v = res["variants"]
+    convert = data["meta"]["not_available"].get("ours_converted") is None
+    assert set(v) == {"keras", "tf_fused", "ours", "floor", "floor_act"} | (
+        {"ours_converted"} if convert else set())
+    for k, e in v.items():
+        assert len(e["samples_ms"]) == 3 and e["step"]["median_ms"] > 0
+        floor = bench.models._VARIANTS[k].floor
+        assert ("cost" in e) == (floor is not None)
+        if floor:
+            diffs = [a - b for a, b in zip(e["samples_ms"], v[floor]["samples_ms"])]
+            assert e["cost"]["samples_ms"] == pytest.approx(diffs, abs=2e-3)
+            assert e["cost_act"]["floor"] == "floor_act"
+        if k != "ours":
+            point, lo, hi = e["x_step"]
+            assert point == pytest.approx(e["step"]["median_ms"] / v["ours"]["step"]["median_ms"])
+            assert lo <= hi
+    # the first step's loss of every BN variant matched Keras 3's (same weights, same data)
+    assert set(res["loss_check"]) >= {"tf_fused", "ours"}
+    assert all(r <= 1e-3 for r in res["loss_check"].values())
+    pair = data["pair"]
+    assert set(pair["median_ms"]) == {"ours_par", "ours_seq", "tf_fused_par", "tf_fused_seq"}
+    assert pair["seq_over_par"]["ours"] > 0 and pair["tf_over_ours"]["par"] > 0
+    (row,) = data["summary"]
+    assert row["model"] == "tiny" and row["step_tf_over_ours"][0] > 0
+
+
+def test_model_variants_swap_and_floors():
+    """The variants of a real keras.applications model (built, not run: cloning only): every
+    BN swapped for ours (TF's ops for TF fused) with the weights copied, or a pass-through."""
+    keras = pytest.importorskip("keras")
+    from fbn_grad_tf.keras import BatchNormalization as Ours
+    models = bench.models
+    m = models.build_model("MobileNetV2", 32, 10)
+    facts = models.bn_facts(m, 2)
+    assert facts["bn_layers"] == 52 and facts["activations_after_bn"] == 35
+    bns = [layer.name for layer in m.layers if isinstance(layer, keras.layers.BatchNormalization)]
+    ours, tf_fused = models._build_ours(m), models._build_tf_fused(m)
+    for clone, op in ((ours, "fbn_grad_tf"), (tf_fused, "tensorflow")):
+        for name in bns:
+            layer = clone.get_layer(name)
+            assert isinstance(layer, Ours) and layer.forward_op == layer.gradient_op == op
+    w0, w1 = m.get_layer(bns[0]).get_weights(), ours.get_layer(bns[0]).get_weights()
+    assert len(w0) == len(w1) == 4 and all((a == b).all() for a, b in zip(w0, w1))
+    floor, floor_act = models._build_floor(m), models._build_floor_act(m)
+    assert not any(isinstance(layer, keras.layers.BatchNormalization) for layer in floor.layers)
+    assert sum(isinstance(layer, models.PassThrough) for layer in floor.layers) == 52
+    assert sum(isinstance(layer, models.PassThrough) for layer in floor_act.layers) == 52 + 35
+
+
+def test_model_parse():
+    args = bench.build_parser().parse_args(
+        ["--model", "ResNet50,tiny", "--policy", "mixed_bfloat16", "--batch", "8", "--size",
+         "64", "--variants", "ours,floor", "--no-pair"])
+    cfg = bench.model_config_from_args(args)
+    assert cfg.models == ("ResNet50", "tiny") and cfg.policy == "mixed_bfloat16"
+    assert (cfg.batch, cfg.size, cfg.reps, cfg.pair) == (8, 64, bench.ModelConfig.reps, False)
+    assert [v.key for v in bench.selected_variants(cfg)[0]] == ["ours", "floor"]
+    with pytest.raises(SystemExit):
+        bench.model_config_from_args(bench.build_parser().parse_args(["--model", "nosuchnet"]))
+    with pytest.raises(SystemExit):
+        bench.model_config_from_args(bench.build_parser().parse_args(
+            ["--model", "tiny", "--variants", "ours,bogus"]))
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--model", "tiny", "--policy", "float64"])
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "tiny", "--layer"])
+
+
+def test_model_converted_column_plugs_in(monkeypatch):
+    """The 'ours conv' column (issue 20's fbn_grad_tf.keras.convert) runs once convert exists:
+    here a stand-in that swaps the BN layers for ours; its cost is against floor-act, its
+    x against ours' BN+act cost (not the BN cost: another floor)."""
+    import fbn_grad_tf.keras as fbn_keras
+    models = bench.models
+    monkeypatch.setattr(fbn_keras, "convert", models._build_ours, raising=False)
+    cfg = bench.ModelConfig(models=("tiny",), batch=2, size=8, reps=2, warmup=1, pair=False,
+                            bandwidth_gbs=20.0, progress=False,
+                            variants=("keras", "ours", "ours_converted", "floor", "floor_act"))
+    res = bench.run_models(cfg)
+    assert res["meta"]["not_available"] == {}
+    v = res["models"][0]["variants"]
+    assert set(v) == {"keras", "ours", "ours_converted", "floor", "floor_act"}
+    conv = v["ours_converted"]
+    assert conv["cost"]["floor"] == conv["cost_act"]["floor"] == "floor_act"
+    assert "x_cost" not in conv and "x_cost_act" in conv and "x_step" in conv
+    assert "ours_converted" in res["models"][0]["loss_check"]

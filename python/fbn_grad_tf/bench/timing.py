@@ -1,0 +1,239 @@
+"""Timing machinery: TF threads and backend, the progress line, the memory-bandwidth
+measurement, interleaved timing with warm-up, and the machine description."""
+import datetime
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+
+
+def onednn_enabled():
+    """Whether this TF process uses oneDNN kernels (TF_ENABLE_ONEDNN_OPTS at start-up)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except Exception:  # pragma: no cover - internal API moved
+        return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") not in ("0", "false", "False")
+
+
+def backend_name(onednn):
+    return "onednn" if onednn else "eigen"
+
+
+def _fmt_duration(s):
+    s = int(round(s))
+    return "%d:%02d" % (s // 60, s % 60)
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def configure_threads(threads):
+    """Sets TF's intra-op pool size (must precede TF's first op). Returns the value in force."""
+    if threads:
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(int(threads))
+        except RuntimeError as e:
+            if tf.config.threading.get_intra_op_parallelism_threads() != int(threads):
+                print("warning: --threads %d not applied: %s" % (threads, e), file=sys.stderr)
+    return tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
+
+
+class Progress:
+    """A plain-text progress line on stderr ('\\r'-updated on a terminal, else one line per
+    case). Progress is weighted by tensor size for the ETA."""
+
+    def __init__(self, label, weights, stream=None, enabled=True):
+        self.label = label
+        self.total_w = float(sum(weights)) or 1.0
+        self.count = len(weights)
+        self.done_w = 0.0
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def start(self, what):
+        if not self.enabled:
+            return
+        frac = self.done_w / self.total_w
+        elapsed = time.perf_counter() - self.t0
+        eta = ("eta %s" % _fmt_duration(elapsed / frac * (1 - frac))) if frac > 0.02 else ""
+        width = 20
+        bar = "#" * int(frac * width) + "." * (width - int(frac * width))
+        line = "[%s] [%s] %d/%d %s  %s %s" % (self.label, bar, self.done + 1, self.count, what,
+                                              _fmt_duration(elapsed), eta)
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def finish(self, weight):
+        self.done += 1
+        self.done_w += weight
+
+    def close(self):
+        if not self.enabled:
+            return
+        line = "[%s] %d cases in %s" % (self.label, self.done,
+                                        _fmt_duration(time.perf_counter() - self.t0))
+        self.stream.write(("\r\033[K" if self.tty else "") + line + "\n")
+        self.stream.flush()
+
+
+# ---- memory bandwidth --------------------------------------------------------------------
+
+def _best_rate(fn, nbytes, repeats):
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+        del out
+    return nbytes / best / 1e9
+
+
+def _numpy_bandwidth(n, threads, repeats):
+    a = np.zeros(n, np.float32)
+    b = np.ones(n, np.float32)
+    c = np.full(n, 2.0, np.float32)
+    chunk = 1 << 15  # 128 KiB of float32: the temporary stays in L2
+
+    def triad(lo, hi):
+        tmp = np.empty(chunk, np.float32)
+        for i in range(lo, hi, chunk):
+            j = min(i + chunk, hi)
+            t = tmp[:j - i]
+            np.multiply(c[i:j], np.float32(3.0), out=t)
+            np.add(t, b[i:j], out=a[i:j])
+
+    def copy(lo, hi):
+        np.copyto(a[lo:hi], b[lo:hi])
+
+    def parallel(fn):
+        def go():
+            ths = [threading.Thread(target=fn, args=(n * k // threads, n * (k + 1) // threads))
+                   for k in range(threads)]
+            for t in ths:
+                t.start()
+            for t in ths:
+                t.join()
+        return go
+
+    return {"numpy_copy": _best_rate(parallel(copy), 2 * n * 4, repeats),
+            "numpy_triad": _best_rate(parallel(triad), 3 * n * 4, repeats)}
+
+
+def _tf_bandwidth(n, repeats):
+    x = tf.fill([n], 1.0)
+    y = tf.fill([n], 2.0)
+    s = tf.constant(3.0)
+    res = {}
+    scale_fn = tf.function(lambda x, s: x * s)
+    res["tf_scale"] = _best_rate(lambda: scale_fn(x, s), 2 * n * 4, repeats)
+    try:
+        triad_fn = tf.function(lambda x, y, s: x * s + y, jit_compile=True)
+        triad_fn(x, y, s)
+        res["tf_triad_fused"] = True
+    except Exception:  # no XLA here: two kernels (counted as 3 arrays all the same)
+        triad_fn = tf.function(lambda x, y, s: x * s + y)
+        res["tf_triad_fused"] = False
+    res["tf_triad"] = _best_rate(lambda: triad_fn(x, y, s), 3 * n * 4, repeats)
+    return res
+
+
+def measure_bandwidth(threads=None, mib=256, repeats=5):
+    """Memory bandwidth in GB/s (1e9 B/s), STREAM-style byte counts, best of `repeats`.
+
+    numpy_copy: b -> a (2 arrays counted); numpy_triad: a = b + s*c (3 arrays counted),
+    both split over `threads` Python threads (NumPy releases the GIL), the triad in
+    cache-sized chunks so no temporary goes to memory. tf_scale: x*s (2 arrays);
+    tf_triad: x*s + y (3 arrays), XLA-fused when jit_compile works, on TF's thread pool
+    (includes allocating the output, as every TF op does). "bandwidth" is the best of all.
+    """
+    threads = threads or os.cpu_count() or 1
+    n = mib * 2 ** 20 // 4
+    res = {"array_mib": mib, "threads": threads, "repeats": repeats}
+    res.update(_numpy_bandwidth(n, threads, repeats))
+    res.update(_tf_bandwidth(n, repeats))
+    res["copy"] = max(res["numpy_copy"], res["tf_scale"])
+    res["triad"] = max(res["numpy_triad"], res["tf_triad"])
+    res["bandwidth"] = max(res["copy"], res["triad"])
+    return res
+
+
+def _stats(samples_s):
+    ms = [s * 1e3 for s in samples_s]
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms),
+            "mean_ms": statistics.fmean(ms), "samples_ms": [round(v, 4) for v in ms]}
+
+
+def time_interleaved(fns, reps):
+    """Calls each of `fns` (name -> zero-arg callable) once per repetition, alternating the
+    order (ABBA...), and returns name -> list of seconds."""
+    names = list(fns)
+    samples = {k: [] for k in names}
+    for i in range(reps):
+        for k in (names if i % 2 == 0 else names[::-1]):
+            t0 = time.perf_counter()
+            out = fns[k]()
+            samples[k].append(time.perf_counter() - t0)
+            del out
+    return samples
+
+
+def warm_up_and_time(fns, config):
+    """Warms each of `fns` up, picks the repetitions (config.reps, or as many as the slowest
+    contestant fits into config.budget_s, within min_reps..max_reps) and times them
+    interleaved. Returns (reps, name -> list of seconds)."""
+    est = {}
+    for k, f in fns.items():
+        for _ in range(max(config.warmup, 1)):
+            t0 = time.perf_counter()
+            f()
+            est[k] = time.perf_counter() - t0
+    if config.reps:
+        reps = int(config.reps)
+    else:
+        reps = int(config.budget_s / max(max(est.values()), 1e-6))
+        reps = max(config.min_reps, min(config.max_reps, reps))
+    return reps, time_interleaved(fns, reps)
+
+
+def _loadavg():
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def _machine_meta():
+    from .. import _build_info
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "cpu": _cpu_model(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "tf_version": tf.__version__,
+            "fbn_grad_tf_build": {k: getattr(_build_info, k) for k in dir(_build_info)
+                                  if k.isupper()}}
+    try:
+        from .. import core
+        meta["fbn_grad_tf_isa"] = core.default_isa() if callable(core.default_isa) \
+            else core.default_isa
+    except Exception as e:  # pragma: no cover
+        meta["fbn_grad_tf_isa"] = "unknown (%s)" % e
+    return meta
