@@ -204,5 +204,5 @@ setup(
     ext_modules=extensions,
     cmdclass={"build_ext": BuildExt},
     package_dir={"": "python"},
-    packages=["fbn_grad_tf"],
+    packages=["fbn_grad_tf", "fbn_grad_tf.bench"],
 )
