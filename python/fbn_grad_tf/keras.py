@@ -36,11 +36,109 @@ import keras
 import tensorflow as tf
 
 from . import gradients as _grads
-from .nn import _fused_batch_norm_v3, check_forward_and_activation
+from .nn import (BatchNormParams, _fused_batch_norm_v3, apply_activation,
+                 check_forward_and_activation)
 
 _FUSED_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
 
+# Keras' own BatchNormalization.call, captured before override() can patch the class: the
+# fallback of every path below calls it directly.
+_KERAS_CALL = keras.layers.BatchNormalization.call
+
 __all__ = ["BatchNormalization"]
+
+
+def fused_data_format(layer, input_shape, dtype=None, mask=None):
+    """The data_format the fused path uses for this call of the Keras BatchNormalization
+    `layer` (ours or Keras' own), or None (Keras' implementation)."""
+    if mask is not None or layer.renorm or layer.synchronized:
+        return None
+    if dtype is not None and tf.as_dtype(dtype) not in _FUSED_DTYPES:
+        return None
+    rank = len(input_shape)
+    if rank not in (4, 5):
+        return None
+    axis = layer.axis % rank
+    if axis == rank - 1:
+        return "NHWC" if rank == 4 else "NDHWC"
+    if axis == 1:
+        return "NCHW" if rank == 4 else "NCDHW"
+    return None
+
+
+def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_grad_tf",
+              gradient_op="fbn_grad_tf"):
+    """The call of a built Keras BatchNormalization `layer` (ours, or Keras' own under
+    override()) on fbn_grad_tf's ops, with Keras' semantics; then `activation`."""
+    if layer.synchronized:
+        from . import sync as _sync
+        if _sync.layer_uses_sync_path(layer, inputs, training, mask):
+            y = _sync.sync_layer_call(layer, inputs)
+        else:
+            y = _KERAS_CALL(layer, inputs, training=training, mask=mask)
+        return apply_activation(y, activation)
+    data_format = fused_data_format(layer, tuple(inputs.shape), inputs.dtype, mask)
+    if data_format is None:
+        y = _KERAS_CALL(layer, inputs, training=training, mask=mask)
+        return apply_activation(y, activation)
+
+    x = tf.convert_to_tensor(inputs)
+    channels = layer.moving_mean.shape[0]
+    gamma = (tf.cast(tf.convert_to_tensor(layer.gamma), tf.float32) if layer.scale
+             else tf.ones([channels], tf.float32))
+    beta = (tf.cast(tf.convert_to_tensor(layer.beta), tf.float32) if layer.center
+            else tf.zeros([channels], tf.float32))
+    xla = _grads.in_xla_context()
+    if xla:
+        _grads.warn_xla_fallback("fbn_grad_tf.keras.BatchNormalization")
+    # TF's registered gradient of the forward op (XLA-compilable) instead of ours.
+    tf_grad = xla or gradient_op == "tensorflow"
+    forward = "tf" if forward_op == "tensorflow" else "ours"
+    act_after = activation if tf_grad else None  # else fused (or nn.py applies it)
+
+    if training and layer.trainable:
+        empty = tf.constant([], tf.float32)
+        if tf_grad:
+            y, batch_mean, batch_var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+                x=x, scale=gamma, offset=beta, mean=empty, variance=empty,
+                epsilon=layer.epsilon, exponential_avg_factor=1.0,
+                data_format=data_format, is_training=True)
+        else:
+            y, batch_mean, batch_var = _fused_batch_norm_v3(
+                x, gamma, beta, empty, empty, BatchNormParams(
+                    epsilon=layer.epsilon, exponential_avg_factor=1.0,
+                    data_format=data_format, is_training=True, forward=forward,
+                    activation=activation))
+        # Keras 3 averages the *biased* batch variance; output 2 is var * M / max(M-1, 1).
+        m = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)
+        batch_var = tf.where(m > 1.0, batch_var * ((m - 1.0) / m), batch_var)
+        batch_mean = tf.stop_gradient(batch_mean)
+        batch_var = tf.stop_gradient(batch_var)
+        moving_mean = tf.cast(tf.convert_to_tensor(layer.moving_mean), tf.float32)
+        moving_var = tf.cast(tf.convert_to_tensor(layer.moving_variance), tf.float32)
+        layer.moving_mean.assign(
+            moving_mean * layer.momentum + batch_mean * (1.0 - layer.momentum))
+        layer.moving_variance.assign(
+            moving_var * layer.momentum + batch_var * (1.0 - layer.momentum))
+    else:
+        moving_mean = tf.cast(tf.convert_to_tensor(layer.moving_mean), tf.float32)
+        moving_var = tf.cast(tf.convert_to_tensor(layer.moving_variance), tf.float32)
+        if tf_grad:
+            y = tf.raw_ops.FusedBatchNormV3(
+                x=x, scale=gamma, offset=beta, mean=moving_mean, variance=moving_var,
+                epsilon=layer.epsilon, exponential_avg_factor=1.0,
+                data_format=data_format, is_training=False)[0]
+        else:
+            # Inference keeps TF's forward op (our backward still computes its
+            # gradient): a serving export (SaveOptions(experimental_custom_gradients=
+            # False)) then holds only TF's ops and loads without fbn_grad_tf.
+            y = _fused_batch_norm_v3(x, gamma, beta, moving_mean, moving_var, BatchNormParams(
+                epsilon=layer.epsilon, exponential_avg_factor=1.0, data_format=data_format,
+                is_training=False, forward="tf", activation=activation))[0]
+    y = apply_activation(y, act_after)
+    if y.dtype != layer.compute_dtype:
+        y = tf.cast(y, layer.compute_dtype)
+    return y
 
 
 @keras.saving.register_keras_serializable(package="fbn_grad_tf")
@@ -111,89 +209,10 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     def fused_data_format(self, input_shape, dtype=None, mask=None):
         """The data_format the fused path uses for this input, or None (Keras fallback)."""
-        if mask is not None or self.renorm or self.synchronized:
-            return None
-        if dtype is not None and tf.as_dtype(dtype) not in _FUSED_DTYPES:
-            return None
-        rank = len(input_shape)
-        if rank not in (4, 5):
-            return None
-        axis = self.axis % rank
-        if axis == rank - 1:
-            return "NHWC" if rank == 4 else "NDHWC"
-        if axis == 1:
-            return "NCHW" if rank == 4 else "NCDHW"
-        return None
+        return fused_data_format(self, input_shape, dtype, mask)
 
     # -- call ------------------------------------------------------------------------------
 
     def call(self, inputs, training=None, mask=None):
-        if self.synchronized:
-            from . import sync as _sync
-            if _sync.layer_uses_sync_path(self, inputs, training, mask):
-                y = _sync.sync_layer_call(self, inputs)
-            else:
-                y = keras.layers.BatchNormalization.call(self, inputs, training=training,
-                                                         mask=mask)
-            return tf.nn.relu(y) if self.activation == "relu" else y
-        data_format = self.fused_data_format(tuple(inputs.shape), inputs.dtype, mask)
-        if data_format is None:
-            y = super().call(inputs, training=training, mask=mask)
-            return tf.nn.relu(y) if self.activation == "relu" else y
-
-        x = tf.convert_to_tensor(inputs)
-        channels = self.moving_mean.shape[0]
-        gamma = (tf.cast(tf.convert_to_tensor(self.gamma), tf.float32) if self.scale
-                 else tf.ones([channels], tf.float32))
-        beta = (tf.cast(tf.convert_to_tensor(self.beta), tf.float32) if self.center
-                else tf.zeros([channels], tf.float32))
-        xla = _grads.in_xla_context()
-        if xla:
-            _grads.warn_xla_fallback("fbn_grad_tf.keras.BatchNormalization")
-        # TF's registered gradient of the forward op (XLA-compilable) instead of ours.
-        tf_grad = xla or self._gradient_op == "tensorflow"
-        forward = "tf" if self._forward_op == "tensorflow" else "ours"
-        relu_after = tf_grad and self.activation == "relu"  # else fused (or nn.py applies it)
-
-        if training and self.trainable:
-            empty = tf.constant([], tf.float32)
-            if tf_grad:
-                y, batch_mean, batch_var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-                    x=x, scale=gamma, offset=beta, mean=empty, variance=empty,
-                    epsilon=self.epsilon, exponential_avg_factor=1.0,
-                    data_format=data_format, is_training=True)
-            else:
-                y, batch_mean, batch_var = _fused_batch_norm_v3(
-                    x, gamma, beta, empty, empty, self.epsilon, 1.0, data_format, True,
-                    forward=forward, activation=self.activation)
-            # Keras 3 averages the *biased* batch variance; output 2 is var * M / max(M-1, 1).
-            m = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)
-            batch_var = tf.where(m > 1.0, batch_var * ((m - 1.0) / m), batch_var)
-            batch_mean = tf.stop_gradient(batch_mean)
-            batch_var = tf.stop_gradient(batch_var)
-            moving_mean = tf.cast(tf.convert_to_tensor(self.moving_mean), tf.float32)
-            moving_var = tf.cast(tf.convert_to_tensor(self.moving_variance), tf.float32)
-            self.moving_mean.assign(
-                moving_mean * self.momentum + batch_mean * (1.0 - self.momentum))
-            self.moving_variance.assign(
-                moving_var * self.momentum + batch_var * (1.0 - self.momentum))
-        else:
-            moving_mean = tf.cast(tf.convert_to_tensor(self.moving_mean), tf.float32)
-            moving_var = tf.cast(tf.convert_to_tensor(self.moving_variance), tf.float32)
-            if tf_grad:
-                y = tf.raw_ops.FusedBatchNormV3(
-                    x=x, scale=gamma, offset=beta, mean=moving_mean, variance=moving_var,
-                    epsilon=self.epsilon, exponential_avg_factor=1.0,
-                    data_format=data_format, is_training=False)[0]
-            else:
-                # Inference keeps TF's forward op (our backward still computes its
-                # gradient): a serving export (SaveOptions(experimental_custom_gradients=
-                # False)) then holds only TF's ops and loads without fbn_grad_tf.
-                y = _fused_batch_norm_v3(x, gamma, beta, moving_mean, moving_var,
-                                         self.epsilon, 1.0, data_format, False,
-                                         forward="tf", activation=self.activation)[0]
-        if relu_after:
-            y = tf.nn.relu(y)
-        if y.dtype != self.compute_dtype:
-            y = tf.cast(y, self.compute_dtype)
-        return y
+        return _fbn_call(self, inputs, training, mask, self.activation, self._forward_op,
+                         self._gradient_op)
