@@ -32,6 +32,11 @@ op cannot be compiled: the layer keeps the fused forward but uses TF's own Fused
 Registered as a Keras serializable ("fbn_grad_tf>BatchNormalization"): ``import fbn_grad_tf``
 before ``keras.models.load_model`` of a .keras file that contains it.
 """
+import contextlib
+import functools
+import inspect
+import threading
+
 import keras
 import tensorflow as tf
 
@@ -45,7 +50,7 @@ _FUSED_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
 # fallback of every path below calls it directly.
 _KERAS_CALL = keras.layers.BatchNormalization.call
 
-__all__ = ["BatchNormalization"]
+__all__ = ["BatchNormalization", "convert", "override", "override_enabled", "ConvertReport"]
 
 
 def fused_data_format(layer, input_shape, dtype=None, mask=None):
@@ -216,3 +221,122 @@ class BatchNormalization(keras.layers.BatchNormalization):
     def call(self, inputs, training=None, mask=None):
         return _fbn_call(self, inputs, training, mask, self.activation, self._forward_op,
                          self._gradient_op)
+
+
+# ---- override() ----------------------------------------------------------------------------
+
+_override_lock = threading.RLock()
+_override_on = False
+_override_stack = None   # the tf_keras routing (nn.use_for_gradients' patches) while on
+_hooks_installed = False
+_KERAS_INIT = keras.layers.BatchNormalization.__init__
+
+
+def _is_ours(layer):
+    if isinstance(layer, BatchNormalization):
+        return True
+    from .sync import SyncBatchNormalization
+    return isinstance(layer, SyncBatchNormalization)
+
+
+@functools.wraps(_KERAS_INIT)
+def _init_hook(self, *args, **kwargs):
+    _KERAS_INIT(self, *args, **kwargs)
+    if _override_on and not _is_ours(self):
+        self._fbn_grad_tf_override = True
+        self.supports_jit = False  # our ops have no XLA kernel (as our layer)
+
+
+# Keras' Operation.__new__ reads the constructor's signature with inspect.getfullargspec,
+# which ignores __wrapped__ but honours __signature__.
+_init_hook.__signature__ = inspect.signature(_KERAS_INIT)
+
+
+@functools.wraps(_KERAS_CALL)
+def _call_hook(self, inputs, training=None, mask=None):
+    if ((_override_on or getattr(self, "_fbn_grad_tf_override", False))
+            and not _is_ours(self)):
+        return _fbn_call(self, inputs, training, mask)
+    return _KERAS_CALL(self, inputs, training=training, mask=mask)
+
+
+def _install_hooks():
+    global _hooks_installed
+    if not _hooks_installed:
+        keras.layers.BatchNormalization.__init__ = _init_hook
+        keras.layers.BatchNormalization.call = _call_hook
+        _hooks_installed = True
+
+
+def _set_override(on):
+    """Switches the override on/off; returns the previous state."""
+    global _override_on, _override_stack
+    from . import nn as _nn
+    with _override_lock:
+        prev = _override_on
+        if on and not prev:
+            _install_hooks()
+            stack = contextlib.ExitStack()
+            stack.enter_context(_nn._patched_gradient_registry(_nn._FORWARD_OPS))
+            stack.enter_context(_nn._patched_forward())
+            _override_stack = stack
+        elif prev and not on:
+            _override_stack.close()
+            _override_stack = None
+        _override_on = on
+        return prev
+
+
+def override_enabled():
+    """True while fbn_grad_tf.keras.override() is on."""
+    return _override_on
+
+
+class override:  # noqa: N801 (used like a function)
+    """Runs every Keras 3 ``keras.layers.BatchNormalization``, and tf_keras' fused
+    BatchNormalization, on fbn_grad_tf's ops, without changing the model's code.
+
+    A context manager, or an on/off call::
+
+        with fbn_grad_tf.keras.override():
+            model = keras.applications.ResNet50(weights=None)   # or a subclassed model,
+            model.compile(...)                                  # keras.models.load_model,
+            model.fit(...)                                      # a tf_keras model, ...
+
+        fbn_grad_tf.keras.override()        # on, until
+        fbn_grad_tf.keras.override(False)   # off
+
+    While on:
+
+    * **Keras 3**: ``keras.layers.BatchNormalization.call`` (and that of subclasses that do not
+      override it or call it) runs the computation of ``fbn_grad_tf.keras.BatchNormalization``
+      (fused forward and backward ops where the input allows, Keras' implementation
+      otherwise; same weights and moving-statistics rule). It applies when a call is traced:
+      a model traced before (its ``train_function``) keeps what it traced; ``compile()`` again
+      to retrace. Layers *created* while on (model constructors, ``load_model``, subclassed
+      models' ``__init__``) keep our path after the block too (attribute
+      ``_fbn_grad_tf_override``), and get ``supports_jit = False``. The layers stay
+      ``keras.layers.BatchNormalization`` instances: configs and saved files are unchanged.
+      (After the first use, the class's ``__init__`` and ``call`` are thin dispatchers that
+      run Keras' own code unless this applies.)
+    * **tf_keras (Keras 2)** and ``tf.compat.v1.nn.fused_batch_norm``: the
+      ``fbn_grad_tf.use_for_gradients(graph=False)`` patches are active: TF's FusedBatchNormV3
+      builder makes our forward op, and FusedBatchNorm* gradients are computed by our op
+      (process-global while on; see docs/DROPIN.md §3).
+
+    No activation is fused (the layers keep their structure): use
+    ``fbn_grad_tf.keras.convert`` for that.
+    """
+
+    def __init__(self, enable=True):
+        self._prev = _set_override(bool(enable))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _set_override(self._prev)
+        return False
+
+
+from ._convert import ConvertReport, convert  # noqa: E402,F401  (needs BatchNormalization)

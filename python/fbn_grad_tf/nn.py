@@ -56,7 +56,7 @@ def check_forward_and_activation(forward, activation):
         activation = activation.lower()
         if activation in ("identity", "linear", "none"):
             activation = None
-    if activation not in ACTIVATIONS:
+    if activation is not None and activation not in FUSED_ACTIVATIONS:
         raise ValueError("activation must be None or one of %s (the activations the fused "
                          "op supports), got %r"
                          % (", ".join('"%s"' % a for a in FUSED_ACTIVATIONS), activation))
