@@ -72,7 +72,7 @@ def data(seed, shape=(BATCH, SIZE, SIZE, 3), classes=CLASSES):
 
 
 def train_step(model, x, y):
-    """(logits, {i: gradient}, [non-trainable values]) of one training-mode step, float64."""
+    """(logits, [gradients], [non-trainable values]) of one training-mode step, float64."""
     with tf.GradientTape() as tape:
         logits = model(x, training=True)
         loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
@@ -81,6 +81,10 @@ def train_step(model, x, y):
     return (np.asarray(logits, np.float64),
             [np.asarray(g, np.float64) for g in grads],
             [np.asarray(v.numpy(), np.float64) for v in model.non_trainable_variables])
+
+
+def _as64(w):
+    return w.astype(np.float64) if w.dtype.kind == "f" else w
 
 
 def global_rel_err(grads, ref, keep):
@@ -103,11 +107,20 @@ def compare(ours, keras32, keras64, seeds):
     weights (those of keras32 when called). `ours` must have keras32's variables in the same
     order (checked by path). Returns a dict of per-seed error lists."""
     init = keras32.get_weights()
-    init64 = [w.astype(np.float64) for w in init]
+    init64 = [_as64(w) for w in init]
+    by_path = {v.path: w for v, w in zip(keras32.weights, init)}
+    if all(v.path in by_path for v in ours.weights):
+        init_ours = [by_path[v.path] for v in ours.weights]
+    else:  # the same constructor (override()), auto-named layers numbered differently
+        init_ours = init
     paths32 = [v.path for v in keras32.trainable_variables]
     assert [v.path for v in ours.trainable_variables] == paths32
-    assert ([v.path for v in ours.non_trainable_variables]
-            == [v.path for v in keras32.non_trainable_variables])
+    # Non-trainable: the moving statistics (a Dropout of rate 0 has no seed state in the
+    # converted model, re-created from its config).
+    nt32 = [v.path for v in keras32.non_trainable_variables]
+    stats = [i for i, p in enumerate(nt32) if p.endswith(("/moving_mean", "/moving_variance"))]
+    nt_ours = [v.path for v in ours.non_trainable_variables]
+    stats_ours = [nt_ours.index(nt32[i]) for i in stats]
     skip = biases_before_bn(keras32)
     keep = [i for i, p in enumerate(paths32) if p not in skip]
     errs = {k: [] for k in ("grad_ours", "grad_keras", "fwd_ours", "fwd_keras", "stats_ours",
@@ -115,11 +128,14 @@ def compare(ours, keras32, keras64, seeds):
     for seed in seeds:
         x, y = data(seed)
         keras32.set_weights(init)
-        ours.set_weights(init)
+        ours.set_weights(init_ours)
         keras64.set_weights(init64)
         r32 = train_step(keras32, tf.constant(x), tf.constant(y))
         r = train_step(ours, tf.constant(x), tf.constant(y))
         r64 = train_step(keras64, tf.constant(x.astype(np.float64)), tf.constant(y))
+        r32 = r32[:2] + ([r32[2][i] for i in stats],)
+        r64 = r64[:2] + ([r64[2][i] for i in stats],)
+        r = r[:2] + ([r[2][i] for i in stats_ours],)
         errs["grad_ours"].append(global_rel_err(r[1], r64[1], keep))
         errs["grad_keras"].append(global_rel_err(r32[1], r64[1], keep))
         errs["fwd_ours"].append(max_rel_err([r[0]], [r64[0]]))
@@ -129,7 +145,7 @@ def compare(ours, keras32, keras64, seeds):
         errs["fwd_ours_vs_keras"].append(max_rel_err([r[0]], [r32[0]]))
         errs["stats_ours_vs_keras"].append(max_rel_err(r[2], r32[2]))
     keras32.set_weights(init)
-    ours.set_weights(init)
+    ours.set_weights(init_ours)
     return errs
 
 
