@@ -31,6 +31,11 @@ op cannot be compiled: the layer keeps the fused forward but uses TF's own Fused
 
 Registered as a Keras serializable ("fbn_grad_tf>BatchNormalization"): ``import fbn_grad_tf``
 before ``keras.models.load_model`` of a .keras file that contains it.
+
+For models that already exist: ``convert(model)`` returns a functional/Sequential model
+rebuilt with this layer (BN+activation fused where the op supports the activation:
+``nn.FUSED_ACTIVATIONS``), and ``override()`` runs every Keras 3 BatchNormalization (and
+tf_keras' fused one) on our ops without touching the model (docs/DROPIN.md §0).
 """
 import contextlib
 import functools
@@ -152,7 +157,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     Arguments are those of ``keras.layers.BatchNormalization``. ``synchronized=True`` computes
     the statistics and the backward across the replicas of the active tf.distribute strategy
-    (fbn_grad_tf.sync, docs/SYNC.md).
+    (fbn_grad_tf.sync, docs/SYNC.md). ``activation``: None or one of
+    ``fbn_grad_tf.nn.FUSED_ACTIVATIONS`` (today "relu"), applied in the same pass.
     """
 
     def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,
