@@ -33,12 +33,15 @@ fi
 . .venv/bin/activate
 
 REQ_STAMP=.venv/.fbn-requirements.sha256
-req_hash=$(digest "$(python -c 'import sys; print(sys.version)')" requirements.txt)
+req_hash=$(digest "$(python -c 'import sys; print(sys.version)')" requirements.txt requirements-nodeps.txt)
 if [ "$(cat "$REQ_STAMP" 2>/dev/null)" = "$req_hash" ]; then
   echo "[setup] requirements unchanged since the last install: skipped"
 else
-  echo "[setup] installing tensorflow-cpu==2.21.0, pybind11, numpy, pytest, hypothesis"
-  if ! pip_quiet install -q --upgrade pip setuptools wheel || ! pip_quiet install -q -r requirements.txt; then
+  echo "[setup] installing tensorflow-cpu==2.21.0, pybind11, numpy, pytest, hypothesis, tf-keras"
+  # requirements-nodeps.txt: packages whose declared `tensorflow` dependency would pull the
+  # full tensorflow wheel over tensorflow-cpu (see the file).
+  if ! pip_quiet install -q --upgrade pip setuptools wheel || ! pip_quiet install -q -r requirements.txt \
+      || ! pip_quiet install -q --no-deps -r requirements-nodeps.txt; then
     echo "[setup] ERROR: installing the requirements failed (pip's error above)" >&2
     exit 1
   fi

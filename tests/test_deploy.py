@@ -255,7 +255,8 @@ def test_demo_smoke(capsys):
     """python -m fbn_grad_tf.demo, shortened: checks pass, tables printed."""
     from fbn_grad_tf import demo
     rc = demo.main(["--steps", "4", "--batches", "2", "--batch", "8", "--image", "8",
-                    "--no-timing"])
+                    "--no-timing", "--convert-steps", "1"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "all checks passed" in out and "ours vs keras" in out and "time per training step" in out
+    assert "fbn_grad_tf.keras.convert(mobilenetv2_0.35_32): 52 BatchNormalization" in out

@@ -13,7 +13,11 @@ What it does:
      keras  keras.layers.BatchNormalization (Keras 3: unfused moments + autodiff);
    compares their gradients on the same batch, then trains each for --steps SGD steps in a
    tf.function on synthetic data, printing the losses side by side and the time per step;
-3. times our forward and backward ops against TF's FusedBatchNormV3 / FusedBatchNormGradV3
+3. converts an existing model, keras.applications.MobileNetV2 (32x32, alpha=0.35,
+   weights=None), with fbn_grad_tf.keras.convert: prints what was replaced and fused, checks
+   that its predictions equal the original's, and trains both, and the original in float64,
+   eagerly for --convert-steps steps from the same weights (losses side by side);
+4. times our forward and backward ops against TF's FusedBatchNormV3 / FusedBatchNormGradV3
    alone (median of interleaved runs) for a few shapes.
 
 Exits with status 1 if a correctness check fails.
@@ -267,7 +271,59 @@ def train_compare(args):
     return ok, losses
 
 
-# ---- 3. op timing -------------------------------------------------------------------------
+# ---- 3. convert an existing model ------------------------------------------------------------
+
+def convert_demo(args):
+    import keras
+    print("\n3. An existing model: keras.applications.MobileNetV2(32x32, alpha=0.35, "
+          "weights=None), converted")
+    keras.utils.set_random_seed(args.seed)
+    original = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35,
+                                              weights=None, classes=10,
+                                              classifier_activation=None)
+    model, report = fbn_grad_tf.keras.convert(original, return_report=True)
+    print("   model = fbn_grad_tf.keras.convert(model)  ->")
+    for line in str(report).splitlines():
+        print("   " + line)
+    left = [l.name for l in model.layers if type(l) is keras.layers.BatchNormalization]
+    x, y = synthetic_data(args.batch, 32, 10, args.seed + 1)
+    pred = rel_diff(model.predict(x, verbose=0), original.predict(x, verbose=0))
+    print("   Keras BatchNormalization layers left: %d; predictions vs the original: "
+          "max|diff|/max|ref| = %.2e" % (len(left), pred))
+    ok = not left and pred < 1e-5
+    # The same Keras model in float64, same weights: the reference both float32 runs drift
+    # from (rounding differences grow from step to step in this small-batch network).
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("float64")
+    try:
+        ref64 = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35,
+                                               weights=None, classes=10,
+                                               classifier_activation=None)
+    finally:
+        keras.config.set_dtype_policy(policy)
+    ref64.set_weights([w.astype(np.float64) for w in original.get_weights()])
+    losses = []
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for m, xm in ((model, x), (original, x), (ref64, x.astype(np.float64))):
+        opt = keras.optimizers.SGD(0.01)
+        run = []
+        for _ in range(args.convert_steps):  # eager: no tracing time for a demo
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, m(xm, training=True))
+            grads = tape.gradient(loss, m.trainable_variables)
+            opt.apply_gradients(zip(grads, m.trainable_variables))
+            run.append(float(loss))
+        losses.append(run)
+    print("   eager SGD(0.01) steps, training loss:")
+    print("   %5s %12s %12s %16s" % ("step", "converted", "original", "original float64"))
+    for s, (a, b, c) in enumerate(zip(*losses)):
+        print("   %5d %12.6f %12.6f %16.6f" % (s + 1, a, b, c))
+    first = abs(losses[0][0] - losses[1][0]) / max(abs(losses[1][0]), 1e-6)
+    ok &= first < LOSS_RTOL
+    return ok
+
+
+# ---- 4. op timing -------------------------------------------------------------------------
 
 TIMING_CASES = (((32, 32, 32, 64), "NHWC", True), ((32, 64, 32, 32), "NCHW", True),
                 ((32, 16, 16, 128), "NHWC", False))
@@ -286,7 +342,7 @@ def _interleaved_medians(fns, arg, reps):
 
 
 def op_timing(reps):
-    print("\n3. Ops alone, inside tf.function, median of %d interleaved runs (ms)" % reps)
+    print("\n4. Ops alone, inside tf.function, median of %d interleaved runs (ms)" % reps)
     print("   %-18s %-6s %-9s %-8s %9s %9s %8s" % ("shape", "format", "mode", "op", "ours",
                                                    "TF", "TF/ours"))
     for shape, fmt, training in TIMING_CASES:
@@ -357,6 +413,9 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, default=15, help="op timing runs (default 15)")
+    p.add_argument("--convert-steps", type=int, default=3,
+                   help="eager training steps of the converted MobileNetV2 (default 3; 0 "
+                        "skips part 3)")
     p.add_argument("--no-timing", action="store_true", help="skip the op timing table")
     p.add_argument("--plot", metavar="FILE.png", help="write the loss curves (matplotlib)")
     args = p.parse_args(argv)
@@ -372,6 +431,8 @@ def main(argv=None):
     ok = op_check()
     train_ok, losses = train_compare(args)
     ok &= train_ok
+    if args.convert_steps > 0:
+        ok &= convert_demo(args)
     if not args.no_timing:
         op_timing(args.reps)
     if args.plot:

@@ -31,16 +31,124 @@ op cannot be compiled: the layer keeps the fused forward but uses TF's own Fused
 
 Registered as a Keras serializable ("fbn_grad_tf>BatchNormalization"): ``import fbn_grad_tf``
 before ``keras.models.load_model`` of a .keras file that contains it.
+
+For models that already exist: ``convert(model)`` returns a functional/Sequential model
+rebuilt with this layer (BN+activation fused where the op supports the activation:
+``nn.FUSED_ACTIVATIONS``), and ``override()`` runs every Keras 3 BatchNormalization (and
+tf_keras' fused one) on our ops without touching the model (docs/DROPIN.md §0).
 """
+import contextlib
+import functools
+import inspect
+import threading
+
 import keras
 import tensorflow as tf
 
 from . import gradients as _grads
-from .nn import _fused_batch_norm_v3, check_forward_and_activation
+from .nn import (BatchNormParams, _fused_batch_norm_v3, apply_activation,
+                 check_forward_and_activation)
 
 _FUSED_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
 
-__all__ = ["BatchNormalization"]
+# Keras' own BatchNormalization.call, captured before override() can patch the class: the
+# fallback of every path below calls it directly.
+_KERAS_CALL = keras.layers.BatchNormalization.call
+
+__all__ = ["BatchNormalization", "convert", "override", "override_enabled", "ConvertReport"]
+
+
+def fused_data_format(layer, input_shape, dtype=None, mask=None):
+    """The data_format the fused path uses for this call of the Keras BatchNormalization
+    `layer` (ours or Keras' own), or None (Keras' implementation)."""
+    if mask is not None or layer.renorm or layer.synchronized:
+        return None
+    if dtype is not None and tf.as_dtype(dtype) not in _FUSED_DTYPES:
+        return None
+    rank = len(input_shape)
+    if rank not in (4, 5):
+        return None
+    axis = layer.axis % rank
+    if axis == rank - 1:
+        return "NHWC" if rank == 4 else "NDHWC"
+    if axis == 1:
+        return "NCHW" if rank == 4 else "NCDHW"
+    return None
+
+
+def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_grad_tf",
+              gradient_op="fbn_grad_tf"):
+    """The call of a built Keras BatchNormalization `layer` (ours, or Keras' own under
+    override()) on fbn_grad_tf's ops, with Keras' semantics; then `activation`."""
+    if layer.synchronized:
+        from . import sync as _sync
+        if _sync.layer_uses_sync_path(layer, inputs, training, mask):
+            y = _sync.sync_layer_call(layer, inputs)
+        else:
+            y = _KERAS_CALL(layer, inputs, training=training, mask=mask)
+        return apply_activation(y, activation)
+    data_format = fused_data_format(layer, tuple(inputs.shape), inputs.dtype, mask)
+    if data_format is None:
+        y = _KERAS_CALL(layer, inputs, training=training, mask=mask)
+        return apply_activation(y, activation)
+
+    x = tf.convert_to_tensor(inputs)
+    channels = layer.moving_mean.shape[0]
+    gamma = (tf.cast(tf.convert_to_tensor(layer.gamma), tf.float32) if layer.scale
+             else tf.ones([channels], tf.float32))
+    beta = (tf.cast(tf.convert_to_tensor(layer.beta), tf.float32) if layer.center
+            else tf.zeros([channels], tf.float32))
+    xla = _grads.in_xla_context()
+    if xla:
+        _grads.warn_xla_fallback("fbn_grad_tf.keras.BatchNormalization")
+    # TF's registered gradient of the forward op (XLA-compilable) instead of ours.
+    tf_grad = xla or gradient_op == "tensorflow"
+    forward = "tf" if forward_op == "tensorflow" else "ours"
+    act_after = activation if tf_grad else None  # else fused (or nn.py applies it)
+
+    if training and layer.trainable:
+        empty = tf.constant([], tf.float32)
+        if tf_grad:
+            y, batch_mean, batch_var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+                x=x, scale=gamma, offset=beta, mean=empty, variance=empty,
+                epsilon=layer.epsilon, exponential_avg_factor=1.0,
+                data_format=data_format, is_training=True)
+        else:
+            y, batch_mean, batch_var = _fused_batch_norm_v3(
+                x, gamma, beta, empty, empty, BatchNormParams(
+                    epsilon=layer.epsilon, exponential_avg_factor=1.0,
+                    data_format=data_format, is_training=True, forward=forward,
+                    activation=activation))
+        # Keras 3 averages the *biased* batch variance; output 2 is var * M / max(M-1, 1).
+        m = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)
+        batch_var = tf.where(m > 1.0, batch_var * ((m - 1.0) / m), batch_var)
+        batch_mean = tf.stop_gradient(batch_mean)
+        batch_var = tf.stop_gradient(batch_var)
+        moving_mean = tf.cast(tf.convert_to_tensor(layer.moving_mean), tf.float32)
+        moving_var = tf.cast(tf.convert_to_tensor(layer.moving_variance), tf.float32)
+        layer.moving_mean.assign(
+            moving_mean * layer.momentum + batch_mean * (1.0 - layer.momentum))
+        layer.moving_variance.assign(
+            moving_var * layer.momentum + batch_var * (1.0 - layer.momentum))
+    else:
+        moving_mean = tf.cast(tf.convert_to_tensor(layer.moving_mean), tf.float32)
+        moving_var = tf.cast(tf.convert_to_tensor(layer.moving_variance), tf.float32)
+        if tf_grad:
+            y = tf.raw_ops.FusedBatchNormV3(
+                x=x, scale=gamma, offset=beta, mean=moving_mean, variance=moving_var,
+                epsilon=layer.epsilon, exponential_avg_factor=1.0,
+                data_format=data_format, is_training=False)[0]
+        else:
+            # Inference keeps TF's forward op (our backward still computes its
+            # gradient): a serving export (SaveOptions(experimental_custom_gradients=
+            # False)) then holds only TF's ops and loads without fbn_grad_tf.
+            y = _fused_batch_norm_v3(x, gamma, beta, moving_mean, moving_var, BatchNormParams(
+                epsilon=layer.epsilon, exponential_avg_factor=1.0, data_format=data_format,
+                is_training=False, forward="tf", activation=activation))[0]
+    y = apply_activation(y, act_after)
+    if y.dtype != layer.compute_dtype:
+        y = tf.cast(y, layer.compute_dtype)
+    return y
 
 
 @keras.saving.register_keras_serializable(package="fbn_grad_tf")
@@ -49,7 +157,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     Arguments are those of ``keras.layers.BatchNormalization``. ``synchronized=True`` computes
     the statistics and the backward across the replicas of the active tf.distribute strategy
-    (fbn_grad_tf.sync, docs/SYNC.md).
+    (fbn_grad_tf.sync, docs/SYNC.md). ``activation``: None or one of
+    ``fbn_grad_tf.nn.FUSED_ACTIVATIONS`` (today "relu"), applied in the same pass.
     """
 
     def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,
@@ -111,89 +220,129 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     def fused_data_format(self, input_shape, dtype=None, mask=None):
         """The data_format the fused path uses for this input, or None (Keras fallback)."""
-        if mask is not None or self.renorm or self.synchronized:
-            return None
-        if dtype is not None and tf.as_dtype(dtype) not in _FUSED_DTYPES:
-            return None
-        rank = len(input_shape)
-        if rank not in (4, 5):
-            return None
-        axis = self.axis % rank
-        if axis == rank - 1:
-            return "NHWC" if rank == 4 else "NDHWC"
-        if axis == 1:
-            return "NCHW" if rank == 4 else "NCDHW"
-        return None
+        return fused_data_format(self, input_shape, dtype, mask)
 
     # -- call ------------------------------------------------------------------------------
 
     def call(self, inputs, training=None, mask=None):
-        if self.synchronized:
-            from . import sync as _sync
-            if _sync.layer_uses_sync_path(self, inputs, training, mask):
-                y = _sync.sync_layer_call(self, inputs)
-            else:
-                y = keras.layers.BatchNormalization.call(self, inputs, training=training,
-                                                         mask=mask)
-            return tf.nn.relu(y) if self.activation == "relu" else y
-        data_format = self.fused_data_format(tuple(inputs.shape), inputs.dtype, mask)
-        if data_format is None:
-            y = super().call(inputs, training=training, mask=mask)
-            return tf.nn.relu(y) if self.activation == "relu" else y
+        return _fbn_call(self, inputs, training, mask, self.activation, self._forward_op,
+                         self._gradient_op)
 
-        x = tf.convert_to_tensor(inputs)
-        channels = self.moving_mean.shape[0]
-        gamma = (tf.cast(tf.convert_to_tensor(self.gamma), tf.float32) if self.scale
-                 else tf.ones([channels], tf.float32))
-        beta = (tf.cast(tf.convert_to_tensor(self.beta), tf.float32) if self.center
-                else tf.zeros([channels], tf.float32))
-        xla = _grads.in_xla_context()
-        if xla:
-            _grads.warn_xla_fallback("fbn_grad_tf.keras.BatchNormalization")
-        # TF's registered gradient of the forward op (XLA-compilable) instead of ours.
-        tf_grad = xla or self._gradient_op == "tensorflow"
-        forward = "tf" if self._forward_op == "tensorflow" else "ours"
-        relu_after = tf_grad and self.activation == "relu"  # else fused (or nn.py applies it)
 
-        if training and self.trainable:
-            empty = tf.constant([], tf.float32)
-            if tf_grad:
-                y, batch_mean, batch_var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-                    x=x, scale=gamma, offset=beta, mean=empty, variance=empty,
-                    epsilon=self.epsilon, exponential_avg_factor=1.0,
-                    data_format=data_format, is_training=True)
-            else:
-                y, batch_mean, batch_var = _fused_batch_norm_v3(
-                    x, gamma, beta, empty, empty, self.epsilon, 1.0, data_format, True,
-                    forward=forward, activation=self.activation)
-            # Keras 3 averages the *biased* batch variance; output 2 is var * M / max(M-1, 1).
-            m = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)
-            batch_var = tf.where(m > 1.0, batch_var * ((m - 1.0) / m), batch_var)
-            batch_mean = tf.stop_gradient(batch_mean)
-            batch_var = tf.stop_gradient(batch_var)
-            moving_mean = tf.cast(tf.convert_to_tensor(self.moving_mean), tf.float32)
-            moving_var = tf.cast(tf.convert_to_tensor(self.moving_variance), tf.float32)
-            self.moving_mean.assign(
-                moving_mean * self.momentum + batch_mean * (1.0 - self.momentum))
-            self.moving_variance.assign(
-                moving_var * self.momentum + batch_var * (1.0 - self.momentum))
-        else:
-            moving_mean = tf.cast(tf.convert_to_tensor(self.moving_mean), tf.float32)
-            moving_var = tf.cast(tf.convert_to_tensor(self.moving_variance), tf.float32)
-            if tf_grad:
-                y = tf.raw_ops.FusedBatchNormV3(
-                    x=x, scale=gamma, offset=beta, mean=moving_mean, variance=moving_var,
-                    epsilon=self.epsilon, exponential_avg_factor=1.0,
-                    data_format=data_format, is_training=False)[0]
-            else:
-                # Inference keeps TF's forward op (our backward still computes its
-                # gradient): a serving export (SaveOptions(experimental_custom_gradients=
-                # False)) then holds only TF's ops and loads without fbn_grad_tf.
-                y = _fused_batch_norm_v3(x, gamma, beta, moving_mean, moving_var,
-                                         self.epsilon, 1.0, data_format, False,
-                                         forward="tf", activation=self.activation)[0]
-        if relu_after:
-            y = tf.nn.relu(y)
-        if y.dtype != self.compute_dtype:
-            y = tf.cast(y, self.compute_dtype)
-        return y
+# ---- override() ----------------------------------------------------------------------------
+
+_override_lock = threading.RLock()
+_override_on = False
+_override_stack = None   # the tf_keras routing (nn.use_for_gradients' patches) while on
+_hooks_installed = False
+_KERAS_INIT = keras.layers.BatchNormalization.__init__
+
+
+def _is_ours(layer):
+    if isinstance(layer, BatchNormalization):
+        return True
+    from .sync import SyncBatchNormalization
+    return isinstance(layer, SyncBatchNormalization)
+
+
+@functools.wraps(_KERAS_INIT)
+def _init_hook(self, *args, **kwargs):
+    _KERAS_INIT(self, *args, **kwargs)
+    if _override_on and not _is_ours(self):
+        self._fbn_grad_tf_override = True
+        self.supports_jit = False  # our ops have no XLA kernel (as our layer)
+
+
+# Keras' Operation.__new__ reads the constructor's signature with inspect.getfullargspec,
+# which ignores __wrapped__ but honours __signature__.
+_init_hook.__signature__ = inspect.signature(_KERAS_INIT)
+
+
+@functools.wraps(_KERAS_CALL)
+def _call_hook(self, inputs, training=None, mask=None):
+    if ((_override_on or getattr(self, "_fbn_grad_tf_override", False))
+            and not _is_ours(self)):
+        return _fbn_call(self, inputs, training, mask)
+    return _KERAS_CALL(self, inputs, training=training, mask=mask)
+
+
+def _install_hooks():
+    global _hooks_installed
+    if not _hooks_installed:
+        keras.layers.BatchNormalization.__init__ = _init_hook
+        keras.layers.BatchNormalization.call = _call_hook
+        _hooks_installed = True
+
+
+def _set_override(on):
+    """Switches the override on/off; returns the previous state."""
+    global _override_on, _override_stack
+    from . import nn as _nn
+    with _override_lock:
+        prev = _override_on
+        if on and not prev:
+            _install_hooks()
+            stack = contextlib.ExitStack()
+            stack.enter_context(_nn._patched_gradient_registry(_nn._FORWARD_OPS))
+            stack.enter_context(_nn._patched_forward())
+            _override_stack = stack
+        elif prev and not on:
+            _override_stack.close()
+            _override_stack = None
+        _override_on = on
+        return prev
+
+
+def override_enabled():
+    """True while fbn_grad_tf.keras.override() is on."""
+    return _override_on
+
+
+class override:  # noqa: N801 (used like a function)
+    """Runs every Keras 3 ``keras.layers.BatchNormalization``, and tf_keras' fused
+    BatchNormalization, on fbn_grad_tf's ops, without changing the model's code.
+
+    A context manager, or an on/off call::
+
+        with fbn_grad_tf.keras.override():
+            model = keras.applications.ResNet50(weights=None)   # or a subclassed model,
+            model.compile(...)                                  # keras.models.load_model,
+            model.fit(...)                                      # a tf_keras model, ...
+
+        fbn_grad_tf.keras.override()        # on, until
+        fbn_grad_tf.keras.override(False)   # off
+
+    While on:
+
+    * **Keras 3**: ``keras.layers.BatchNormalization.call`` (and that of subclasses that do not
+      override it or call it) runs the computation of ``fbn_grad_tf.keras.BatchNormalization``
+      (fused forward and backward ops where the input allows, Keras' implementation
+      otherwise; same weights and moving-statistics rule). It applies when a call is traced:
+      a model traced before (its ``train_function``) keeps what it traced; ``compile()`` again
+      to retrace. Layers *created* while on (model constructors, ``load_model``, subclassed
+      models' ``__init__``) keep our path after the block too (attribute
+      ``_fbn_grad_tf_override``), and get ``supports_jit = False``. The layers stay
+      ``keras.layers.BatchNormalization`` instances: configs and saved files are unchanged.
+      (After the first use, the class's ``__init__`` and ``call`` are thin dispatchers that
+      run Keras' own code unless this applies.)
+    * **tf_keras (Keras 2)** and ``tf.compat.v1.nn.fused_batch_norm``: the
+      ``fbn_grad_tf.use_for_gradients(graph=False)`` patches are active: TF's FusedBatchNormV3
+      builder makes our forward op, and FusedBatchNorm* gradients are computed by our op
+      (process-global while on; see docs/DROPIN.md §3).
+
+    No activation is fused (the layers keep their structure): use
+    ``fbn_grad_tf.keras.convert`` for that.
+    """
+
+    def __init__(self, enable=True):
+        self._prev = _set_override(bool(enable))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _set_override(self._prev)
+        return False
+
+
+from ._convert import ConvertReport, convert  # noqa: E402,F401  (needs BatchNormalization)

@@ -18,6 +18,7 @@ Two entry points:
 """
 import collections
 import contextlib
+import dataclasses
 import threading
 
 import tensorflow as tf
@@ -29,7 +30,22 @@ from . import gradients as _grads
 
 _DATA_FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
 FORWARDS = ("ours", "tf")
-ACTIVATIONS = (None, "relu")
+
+#: The activations our forward op can apply in the same pass as the normalization (the one
+#: list everything asks: fused_batch_norm, fbn_grad_tf.keras.BatchNormalization(activation=),
+#: fbn_grad_tf.keras.convert's fusion). Each maps to the op's ``activation_mode`` attribute.
+#: An activation joins when the C++ ops (forward and backward) implement it: add its mode
+#: here and its TF function to _ACTIVATION_FUNCTIONS.
+FUSED_ACTIVATIONS = ("relu",)
+_ACTIVATION_MODES = {"relu": "Relu"}
+#: The plain-TF function of each fused activation (fallback paths: TF's forward, XLA, Keras'
+#: own implementation for shapes the fused op does not take).
+_ACTIVATION_FUNCTIONS = {"relu": tf.nn.relu}
+#: Activations our ops can apply after adding a side input (y = act(bn(x) + side_input), a
+#: residual connection). None yet.
+FUSED_SIDE_INPUT_ACTIVATIONS = ()
+
+ACTIVATIONS = (None,) + FUSED_ACTIVATIONS
 
 
 def check_forward_and_activation(forward, activation):
@@ -40,9 +56,47 @@ def check_forward_and_activation(forward, activation):
         activation = activation.lower()
         if activation in ("identity", "linear", "none"):
             activation = None
-    if activation not in ACTIVATIONS:
-        raise ValueError('activation must be None or "relu", got %r' % (activation,))
+    if activation is not None and activation not in FUSED_ACTIVATIONS:
+        raise ValueError("activation must be None or one of %s (the activations the fused "
+                         "op supports), got %r"
+                         % (", ".join('"%s"' % a for a in FUSED_ACTIVATIONS), activation))
     return activation
+
+
+def apply_activation(y, activation):
+    """`activation` (None or one of FUSED_ACTIVATIONS) applied with plain TF ops."""
+    return y if activation is None else _ACTIVATION_FUNCTIONS[activation](y)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchNormParams:
+    """The attributes of one fused batch-norm call, carried as one record from the public
+    entry points (fused_batch_norm, the Keras layer) down to the op builders, like the C++
+    core's params struct. The tensors (x, scale, offset, mean, variance) stay positional, as
+    the op's inputs; new attributes (activation modes, a side input's presence) are new
+    fields here, not new arguments of every helper.
+
+    epsilon, exponential_avg_factor, data_format, is_training: the op attributes.
+    activation: None or one of FUSED_ACTIVATIONS (validated by the entry points).
+    forward: "ours" (our forward op where it can run) or "tf" (TF's FusedBatchNormV3 with a
+      custom gradient calling our backward).
+    name: the op name, or None.
+    return_reserve: also return reserve_space_1/2 (gradient-stopped).
+    """
+    epsilon: float
+    exponential_avg_factor: float
+    data_format: str
+    is_training: bool
+    name: object = None
+    return_reserve: bool = False
+    forward: str = "ours"
+    activation: object = None
+
+    def op_attrs(self):
+        """The keyword attributes of FusedBatchNormV3 and of our forward ops."""
+        return dict(epsilon=self.epsilon, exponential_avg_factor=self.exponential_avg_factor,
+                    data_format=self.data_format, is_training=self.is_training,
+                    name=self.name)
 
 
 def our_forward_available():
@@ -113,64 +167,56 @@ def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
     offset = tf.convert_to_tensor(offset, name="offset")
     mean = tf.constant([]) if mean is None else tf.convert_to_tensor(mean)
     variance = tf.constant([]) if variance is None else tf.convert_to_tensor(variance)
+    params = BatchNormParams(
+        epsilon=epsilon, exponential_avg_factor=exponential_avg_factor,
+        data_format=data_format, is_training=is_training, name=name, forward=forward,
+        activation=activation)
     if _grads.in_xla_context():
         # TF's forward op has an XLA kernel and its registered gradient too; ours do not.
         _grads.warn_xla_fallback("fbn_grad_tf.fused_batch_norm")
         y, running_mean, running_var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-            x=x, scale=scale, offset=offset, mean=mean, variance=variance, epsilon=epsilon,
-            exponential_avg_factor=exponential_avg_factor, data_format=data_format,
-            is_training=is_training, name=name)
-        if activation == "relu":
-            y = tf.nn.relu(y)
-        return y, running_mean, running_var
-    return _fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon,
-                                exponential_avg_factor, data_format, is_training, name,
-                                forward=forward, activation=activation)
+            x=x, scale=scale, offset=offset, mean=mean, variance=variance,
+            **params.op_attrs())
+        return apply_activation(y, activation), running_mean, running_var
+    return _fused_batch_norm_v3(x, scale, offset, mean, variance, params)
 
 
-def _our_forward(x, scale, offset, mean, variance, epsilon, exponential_avg_factor,
-                 data_format, is_training, name, activation):
+def _our_forward(x, scale, offset, mean, variance, params):
     """Our forward op; its gradient is registered by op type (gradients.py)."""
-    kw = dict(x=x, scale=scale, offset=offset, mean=mean, variance=variance, epsilon=epsilon,
-              exponential_avg_factor=exponential_avg_factor, data_format=data_format,
-              is_training=is_training, name=name)
-    if activation == "relu":
-        return _loader.raw_forward_ex_op(activation_mode="Relu", **kw)
+    kw = dict(x=x, scale=scale, offset=offset, mean=mean, variance=variance,
+              **params.op_attrs())
+    if params.activation is not None:
+        return _loader.raw_forward_ex_op(
+            activation_mode=_ACTIVATION_MODES[params.activation], **kw)
     return _loader.raw_forward_op(**kw)
 
 
-def _fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon, exponential_avg_factor,
-                         data_format, is_training, name=None, return_reserve=False,
-                         forward="ours", activation=None):
-    """The forward (ours, or TF's FusedBatchNormV3 with a custom gradient that calls our op).
+def _fused_batch_norm_v3(x, scale, offset, mean, variance, params):
+    """The forward (ours, or TF's FusedBatchNormV3 with a custom gradient that calls our op),
+    as `params` (a BatchNormParams) says.
 
-    Returns (y, batch_mean, batch_variance) (plus reserve_space_1/2 if return_reserve)."""
-    if forward == "ours" and our_forward_available():
-        y, batch_mean, batch_var, rs1, rs2, _ = _our_forward(
-            x, scale, offset, mean, variance, epsilon, exponential_avg_factor, data_format,
-            is_training, name, activation)
+    Returns (y, batch_mean, batch_variance) (plus reserve_space_1/2 if
+    params.return_reserve)."""
+    if params.forward == "ours" and our_forward_available():
+        y, batch_mean, batch_var, rs1, rs2, _ = _our_forward(x, scale, offset, mean, variance,
+                                                             params)
         outs = (y, batch_mean, batch_var)
-        if return_reserve:
+        if params.return_reserve:
             outs += (tf.stop_gradient(rs1), tf.stop_gradient(rs2))
         return outs
-    outs = _tf_forward_our_backward(x, scale, offset, mean, variance, epsilon,
-                                    exponential_avg_factor, data_format, is_training, name,
-                                    return_reserve)
-    if activation == "relu":
-        outs = (tf.nn.relu(outs[0]),) + tuple(outs[1:])
-    return outs
+    outs = _tf_forward_our_backward(x, scale, offset, mean, variance, params)
+    return (apply_activation(outs[0], params.activation),) + tuple(outs[1:])
 
 
-def _tf_forward_our_backward(x, scale, offset, mean, variance, epsilon, exponential_avg_factor,
-                             data_format, is_training, name, return_reserve):
+def _tf_forward_our_backward(x, scale, offset, mean, variance, params):
     """TF's FusedBatchNormV3 forward with a custom gradient that calls our op."""
+    epsilon, data_format, is_training = params.epsilon, params.data_format, params.is_training
 
     @tf.custom_gradient
     def _fbn(x, scale, offset, mean, variance):
         y, batch_mean, batch_var, rs1, rs2, rs3 = tf.raw_ops.FusedBatchNormV3(
-            x=x, scale=scale, offset=offset, mean=mean, variance=variance, epsilon=epsilon,
-            exponential_avg_factor=exponential_avg_factor, data_format=data_format,
-            is_training=is_training, name=name)
+            x=x, scale=scale, offset=offset, mean=mean, variance=variance,
+            **params.op_attrs())
 
         def grad(dy, *unused_stat_grads):
             # Like TF's gradient: only dy is used; mean/variance get no gradient.
@@ -190,7 +236,7 @@ def _tf_forward_our_backward(x, scale, offset, mean, variance, epsilon, exponent
             return dx, dscale, doffset, None, None
 
         outs = (y, batch_mean, batch_var)
-        if return_reserve:
+        if params.return_reserve:
             outs += (tf.stop_gradient(rs1), tf.stop_gradient(rs2))
         return outs, grad
 
