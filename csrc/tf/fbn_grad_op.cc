@@ -14,8 +14,8 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
 
-#include "../core/bn_forward.h"
-#include "../core/bn_grad.h"
+#include "../core/forward.h"
+#include "../core/common.h"
 #include "tf_binding.h"
 namespace fbn_tf {
 

@@ -3,8 +3,8 @@
 // Everything here takes raw pointers, sizes and a parameter struct. The TensorFlow op
 // (csrc/tf/) and the pybind11 module (csrc/py/) are thin bindings over it, so the math
 // and the input validation exist exactly once.
-#ifndef FBN_GRAD_TF_CORE_BN_GRAD_H_
-#define FBN_GRAD_TF_CORE_BN_GRAD_H_
+#ifndef FBN_GRAD_TF_CORE_COMMON_H_
+#define FBN_GRAD_TF_CORE_COMMON_H_
 
 #include <cstdint>
 #include <functional>
@@ -188,4 +188,4 @@ bfloat16_t FloatToBFloat16(float f);
 
 }  // namespace fbn
 
-#endif  // FBN_GRAD_TF_CORE_BN_GRAD_H_
+#endif  // FBN_GRAD_TF_CORE_COMMON_H_

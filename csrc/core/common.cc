@@ -13,8 +13,8 @@
 
 #include <pthread.h>
 
-#include "bn_grad.h"
-#include "cpu/bn_grad_cpu_kernels.h"
+#include "common.h"
+#include "cpu/kernels.h"
 
 namespace fbn {
 

@@ -2,8 +2,8 @@
 #include <cmath>
 #include <sstream>
 
-#include "bn_forward.h"
-#include "cpu/bn_grad_cpu_kernels.h"
+#include "forward.h"
+#include "cpu/kernels.h"
 
 namespace fbn {
 
