@@ -33,6 +33,7 @@ from setuptools.command.build_ext import build_ext
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CORE_SOURCES = [
     "csrc/core/common.cc",
+    "csrc/core/backward.cc",
     "csrc/core/forward.cc",
     "csrc/core/cpu/kernels_baseline.cc",
     "csrc/core/cpu/kernels_avx2.cc",

@@ -7,13 +7,6 @@
 
 namespace fbn {
 
-bool ParseActivation(const std::string& s, Activation* out) {
-  if (s == "Identity") *out = Activation::kIdentity;
-  else if (s == "Relu") *out = Activation::kRelu;
-  else return false;
-  return true;
-}
-
 ValidationResult ValidateBnForwardInputs(const std::vector<int64_t>& x_dims,
                                          const std::vector<int64_t>& scale_dims,
                                          const std::vector<int64_t>& offset_dims,

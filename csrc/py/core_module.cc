@@ -11,11 +11,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "../core/backward.h"
 #include "../core/forward.h"
-#include "../core/common.h"
 #if FBN_WITH_CUDA
-#include "../core/cuda/forward.h"
 #include "../core/cuda/backward.h"
+#include "../core/cuda/forward.h"
 #endif
 
 namespace py = pybind11;

@@ -3,8 +3,8 @@
 #ifndef FBN_GRAD_TF_CORE_CPU_KERNELS_H_
 #define FBN_GRAD_TF_CORE_CPU_KERNELS_H_
 
+#include "../backward.h"
 #include "../forward.h"
-#include "../common.h"
 
 namespace fbn {
 namespace cpu {

@@ -1,12 +1,12 @@
 // CUDA kernels of the core: same parameters and argument struct as the CPU kernels
-// (../common.h); all pointers are device pointers. Framework-free: the caller owns the
+// (../backward.h); all pointers are device pointers. Framework-free: the caller owns the
 // stream and the workspace. Compiled only when the build has CUDA (FBN_WITH_CUDA).
 #ifndef FBN_GRAD_TF_CORE_CUDA_BACKWARD_H_
 #define FBN_GRAD_TF_CORE_CUDA_BACKWARD_H_
 
 #include <cstddef>
 
-#include "../common.h"
+#include "../backward.h"
 
 namespace fbn {
 
