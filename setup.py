@@ -40,7 +40,8 @@ CORE_SOURCES = [
     "csrc/core/cpu/kernels_avx512.cc",
     "csrc/core/cpu/kernels_avx512bf16.cc",
 ]
-CUDA_SOURCES = ["csrc/core/cuda/backward.cu", "csrc/core/cuda/forward.cu"]
+CUDA_SOURCES = ["csrc/core/cuda/common.cu", "csrc/core/cuda/backward.cu",
+                "csrc/core/cuda/forward.cu"]
 CORE_MODULE_SOURCE = "csrc/py/core_module.cc"
 TF_OP_SOURCES = ["csrc/tf/fbn_grad_op.cc", "csrc/tf/fbn_forward_op.cc"]
 # Every header-like file under csrc/ is a rebuild trigger of every object (coarse, safe).

@@ -12,7 +12,7 @@
 
 #include "../core/common.h"
 #if FBN_WITH_CUDA
-#include "../core/cuda/backward.h"
+#include "../core/cuda/common.h"
 #include "xla/stream_executor/stream.h"
 #endif
 

@@ -522,10 +522,6 @@ int BnGradCuda(const BnGradParams& params, const BnGradArgs<T>& args, void* work
   return static_cast<int>(cudaErrorInvalidValue);
 }
 
-const char* CudaErrorString(int error) {
-  return cudaGetErrorString(static_cast<cudaError_t>(error));
-}
-
 template int BnGradCuda<float>(const BnGradParams&, const BnGradArgs<float>&, void*, size_t,
                                void*);
 template int BnGradCuda<half_t>(const BnGradParams&, const BnGradArgs<half_t>&, void*, size_t,

@@ -7,6 +7,7 @@
 #include <cstddef>
 
 #include "../backward.h"
+#include "common.h"
 
 namespace fbn {
 
@@ -26,8 +27,6 @@ extern template int BnGradCuda<half_t>(const BnGradParams&, const BnGradArgs<hal
                                        size_t, void*);
 extern template int BnGradCuda<bfloat16_t>(const BnGradParams&, const BnGradArgs<bfloat16_t>&,
                                            void*, size_t, void*);
-
-const char* CudaErrorString(int error);
 
 }  // namespace fbn
 

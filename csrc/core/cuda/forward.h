@@ -9,6 +9,7 @@
 #include <cstddef>
 
 #include "../forward.h"
+#include "common.h"
 
 namespace fbn {
 
