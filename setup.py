@@ -32,14 +32,16 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CORE_SOURCES = [
-    "csrc/core/bn_grad_common.cc",
-    "csrc/core/bn_forward_common.cc",
-    "csrc/core/cpu/bn_grad_cpu_baseline.cc",
-    "csrc/core/cpu/bn_grad_cpu_avx2.cc",
-    "csrc/core/cpu/bn_grad_cpu_avx512.cc",
-    "csrc/core/cpu/bn_grad_cpu_avx512bf16.cc",
+    "csrc/core/common.cc",
+    "csrc/core/backward.cc",
+    "csrc/core/forward.cc",
+    "csrc/core/cpu/kernels_baseline.cc",
+    "csrc/core/cpu/kernels_avx2.cc",
+    "csrc/core/cpu/kernels_avx512.cc",
+    "csrc/core/cpu/kernels_avx512bf16.cc",
 ]
-CUDA_SOURCES = ["csrc/core/bn_grad_cuda.cu", "csrc/core/bn_forward_cuda.cu"]
+CUDA_SOURCES = ["csrc/core/cuda/common.cu", "csrc/core/cuda/backward.cu",
+                "csrc/core/cuda/forward.cu"]
 CORE_MODULE_SOURCE = "csrc/py/core_module.cc"
 TF_OP_SOURCES = ["csrc/tf/fbn_grad_op.cc", "csrc/tf/fbn_forward_op.cc"]
 # Every header-like file under csrc/ is a rebuild trigger of every object (coarse, safe).

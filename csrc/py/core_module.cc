@@ -11,11 +11,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "../core/bn_forward.h"
-#include "../core/bn_grad.h"
+#include "../core/backward.h"
+#include "../core/forward.h"
 #if FBN_WITH_CUDA
-#include "../core/bn_forward_cuda.h"
-#include "../core/bn_grad_cuda.h"
+#include "../core/cuda/backward.h"
+#include "../core/cuda/forward.h"
 #endif
 
 namespace py = pybind11;

@@ -14,10 +14,10 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
-#include "../core/bn_forward.h"
+#include "../core/forward.h"
 #include "tf_binding.h"
 #if FBN_WITH_CUDA
-#include "../core/bn_forward_cuda.h"
+#include "../core/cuda/forward.h"
 #endif
 
 namespace fbn_tf {

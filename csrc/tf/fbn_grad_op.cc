@@ -14,9 +14,11 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
 
-#include "../core/bn_forward.h"
-#include "../core/bn_grad.h"
+#include "../core/backward.h"
 #include "tf_binding.h"
+#if FBN_WITH_CUDA
+#include "../core/cuda/backward.h"
+#endif
 namespace fbn_tf {
 
 using tensorflow::OpKernel;

@@ -15,9 +15,9 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/platform/threadpool.h"
 
-#include "../core/bn_grad.h"
+#include "../core/common.h"
 #if FBN_WITH_CUDA
-#include "../core/bn_grad_cuda.h"
+#include "../core/cuda/common.h"
 #include "xla/stream_executor/stream.h"
 #endif
 

@@ -1,6 +1,7 @@
 // Framework-free batch-normalization forward (FusedBatchNormV3 semantics): the public
 // header of the forward half of the core. Shares the canonical shape, data formats, task
-// runner and ISA dispatch with the backward (bn_grad.h).
+// runner, ISA dispatch and Activation with the backward (common.h); the CUDA entry points
+// are in cuda/forward.h.
 //
 // Training:  mean[c] = sum(x)/M, var[c] = sum((x-mean)^2)/M (biased), computed in one read
 //            of x (per-task mean and M2 from a cache-resident chunk, merged with Chan's
@@ -13,25 +14,22 @@
 //            batch_mean/batch_variance/saved_mean/saved_var = running_mean/running_var.
 // Activation kRelu: y = max(bn(x), 0) (NaN stays NaN). Its backward masks y_backprop
 // with y > 0 (BnGradArgs::relu_y).
-#ifndef FBN_GRAD_TF_CORE_BN_FORWARD_H_
-#define FBN_GRAD_TF_CORE_BN_FORWARD_H_
+#ifndef FBN_GRAD_TF_CORE_FORWARD_H_
+#define FBN_GRAD_TF_CORE_FORWARD_H_
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "bn_grad.h"
+#include "common.h"
 
 namespace fbn {
-
-enum class Activation { kIdentity, kRelu };
 
 // True when the running mean/variance inputs are read: inference, or training with
 // exponential_avg_factor != 1. Otherwise they may be null / empty ([0]), as in TF.
 inline bool ReadsRunningStats(bool is_training, float exponential_avg_factor) {
   return !is_training || exponential_avg_factor != 1.0f;
 }
-bool ParseActivation(const std::string& s, Activation* out);  // "Identity" / "Relu"
 
 struct BnForwardParams {
   BnShape shape;
@@ -87,4 +85,4 @@ extern template void BnForwardCpu<bfloat16_t>(const BnForwardParams&,
 
 }  // namespace fbn
 
-#endif  // FBN_GRAD_TF_CORE_BN_FORWARD_H_
+#endif  // FBN_GRAD_TF_CORE_FORWARD_H_

@@ -1,14 +1,15 @@
 // CUDA kernels of the batch-norm forward: same parameters and argument struct as the CPU
-// kernels (bn_forward.h); all pointers are device pointers. Framework-free: the caller owns
+// kernels (../forward.h); all pointers are device pointers. Framework-free: the caller owns
 // the stream and the workspace. Compiled only when the build has CUDA (FBN_WITH_CUDA).
 // In training, saved_var receives what params.saved_stat says (the TF GPU binding passes
 // kInvStd, cuDNN's convention, so TF's GPU backward and ours read it correctly).
-#ifndef FBN_GRAD_TF_CORE_BN_FORWARD_CUDA_H_
-#define FBN_GRAD_TF_CORE_BN_FORWARD_CUDA_H_
+#ifndef FBN_GRAD_TF_CORE_CUDA_FORWARD_H_
+#define FBN_GRAD_TF_CORE_CUDA_FORWARD_H_
 
 #include <cstddef>
 
-#include "bn_forward.h"
+#include "../forward.h"
+#include "common.h"
 
 namespace fbn {
 
@@ -31,4 +32,4 @@ extern template int BnForwardCuda<bfloat16_t>(const BnForwardParams&,
 
 }  // namespace fbn
 
-#endif  // FBN_GRAD_TF_CORE_BN_FORWARD_CUDA_H_
+#endif  // FBN_GRAD_TF_CORE_CUDA_FORWARD_H_

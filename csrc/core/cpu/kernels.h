@@ -1,10 +1,10 @@
-// Internal interface between the CPU dispatcher (bn_grad_common.cc) and the per-ISA
-// compilations of bn_grad_cpu_kernels.inc.
-#ifndef FBN_GRAD_TF_CORE_CPU_BN_GRAD_CPU_KERNELS_H_
-#define FBN_GRAD_TF_CORE_CPU_BN_GRAD_CPU_KERNELS_H_
+// Internal interface between the CPU dispatcher (common.cc) and the per-ISA
+// compilations of the kernel sources (kernels_<isa>.cc).
+#ifndef FBN_GRAD_TF_CORE_CPU_KERNELS_H_
+#define FBN_GRAD_TF_CORE_CPU_KERNELS_H_
 
-#include "../bn_forward.h"
-#include "../bn_grad.h"
+#include "../backward.h"
+#include "../forward.h"
 
 namespace fbn {
 namespace cpu {
@@ -12,18 +12,18 @@ namespace cpu {
 // The entry points of one ISA path for one element type.
 template <typename T>
 struct KernelSet {
-  // The backward, fused or split (bn_grad_cpu_kernels.inc).
+  // The backward, fused or split (backward.inc).
   void (*fused)(const BnGradParams&, const BnGradArgs<T>&, const TaskRunner&);
   void (*reduce)(const BnGradParams&, const BnGradArgs<T>&, float* sum_dy, float* sum_dy_xmu,
                  const TaskRunner&);
   void (*apply)(const BnGradParams&, const BnGradArgs<T>&, const float* sum_dy,
                 const float* sum_dy_xmu, float count, const TaskRunner&);
-  // The forward (bn_forward_cpu_kernels.inc).
+  // The forward (forward.inc).
   void (*forward)(const BnForwardParams&, const BnForwardArgs<T>&, const TaskRunner&);
 };
 
 // The kernels of `isa`, or of the best supported path when this CPU lacks it (never an
-// illegal instruction). Defined in bn_grad_common.cc for float, half_t and bfloat16_t.
+// illegal instruction). Defined in common.cc for float, half_t and bfloat16_t.
 template <typename T>
 KernelSet<T> KernelsFor(CpuIsa isa);
 
@@ -45,4 +45,4 @@ FBN_DECLARE_ISA_KERNELS(avx512bf16)
 
 }  // namespace fbn
 
-#endif  // FBN_GRAD_TF_CORE_CPU_BN_GRAD_CPU_KERNELS_H_
+#endif  // FBN_GRAD_TF_CORE_CPU_KERNELS_H_

@@ -2,5 +2,4 @@
 // plus AVX512-BF16, whose VCVTNEPS2BF16 replaces the integer float->bfloat16 rounding
 // (flags set per file by setup.py and BUILD).
 #define FBN_ISA_NS avx512bf16
-#include "bn_grad_cpu_kernels.inc"
-#include "bn_forward_cpu_kernels.inc"
+#include "kernels.inc"

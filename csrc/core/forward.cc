@@ -2,17 +2,10 @@
 #include <cmath>
 #include <sstream>
 
-#include "bn_forward.h"
-#include "cpu/bn_grad_cpu_kernels.h"
+#include "forward.h"
+#include "cpu/kernels.h"
 
 namespace fbn {
-
-bool ParseActivation(const std::string& s, Activation* out) {
-  if (s == "Identity") *out = Activation::kIdentity;
-  else if (s == "Relu") *out = Activation::kRelu;
-  else return false;
-  return true;
-}
 
 ValidationResult ValidateBnForwardInputs(const std::vector<int64_t>& x_dims,
                                          const std::vector<int64_t>& scale_dims,

@@ -1,2 +1,2 @@
 // Bazel (TF source tree) compiles GPU sources named *.cu.cc; setup.py uses the .cu directly.
-#include "bn_grad_cuda.cu"
+#include "common.cu"

@@ -1,7 +1,7 @@
-// CUDA kernels of the batch-normalization forward (FusedBatchNormV3 semantics, bn_forward.h)
+// CUDA kernels of the batch-normalization forward (FusedBatchNormV3 semantics, ../forward.h)
 // on the canonical view [outer, C, inner]. Same structure as the backward
-// (bn_grad_cuda.cu, docs/GPU.md): the chunking, thread mappings and vector accesses are the
-// backward's, from cuda_common.cuh.
+// (cuda/backward.cu, docs/GPU.md): the chunking, thread mappings and vector accesses are the
+// backward's, from cuda/common.cuh.
 //
 // Passes (all on the caller's stream, no host synchronisation):
 //   training : Stats -> Finalize -> Apply
@@ -23,7 +23,7 @@
 // Workspace (floats, contiguous, exact size from BnForwardCudaWorkspaceBytes; 0 when M == 0):
 //   training:  [0, GC) partial mean - K  [c * G + g];  [GC, 2GC) partial M2  [c * G + g]
 //   then (training at 2GC, inference at 0):  k[c] = scale * inv  [C];  mean[c]  [C]
-#include "bn_forward_cuda.h"
+#include "forward.h"
 
 #include <cuda_runtime.h>
 
@@ -31,7 +31,7 @@
 #include <climits>
 #include <cstdint>
 
-#include "cuda_common.cuh"
+#include "common.cuh"
 
 namespace fbn {
 namespace {
@@ -526,7 +526,7 @@ __global__ void __launch_bounds__(kThreads) ApplyChannelsFirst(const FParams p) 
 // ---------------------------------------------------------------------------------------
 // Host side.
 
-// Chunking (cuda_common.cuh, shared with the backward): a function of the shape alone.
+// Chunking (cuda/common.cuh, shared with the backward): a function of the shape alone.
 struct Plan : ChunkPlan {
   int64_t ws_floats = 0;
 };

@@ -1,12 +1,13 @@
 // CUDA kernels of the core: same parameters and argument struct as the CPU kernels
-// (bn_grad.h); all pointers are device pointers. Framework-free: the caller owns the
+// (../backward.h); all pointers are device pointers. Framework-free: the caller owns the
 // stream and the workspace. Compiled only when the build has CUDA (FBN_WITH_CUDA).
-#ifndef FBN_GRAD_TF_CORE_BN_GRAD_CUDA_H_
-#define FBN_GRAD_TF_CORE_BN_GRAD_CUDA_H_
+#ifndef FBN_GRAD_TF_CORE_CUDA_BACKWARD_H_
+#define FBN_GRAD_TF_CORE_CUDA_BACKWARD_H_
 
 #include <cstddef>
 
-#include "bn_grad.h"
+#include "../backward.h"
+#include "common.h"
 
 namespace fbn {
 
@@ -27,8 +28,6 @@ extern template int BnGradCuda<half_t>(const BnGradParams&, const BnGradArgs<hal
 extern template int BnGradCuda<bfloat16_t>(const BnGradParams&, const BnGradArgs<bfloat16_t>&,
                                            void*, size_t, void*);
 
-const char* CudaErrorString(int error);
-
 }  // namespace fbn
 
-#endif  // FBN_GRAD_TF_CORE_BN_GRAD_CUDA_H_
+#endif  // FBN_GRAD_TF_CORE_CUDA_BACKWARD_H_

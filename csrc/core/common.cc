@@ -1,5 +1,6 @@
-// Validation, data formats, 16-bit conversions, the std::thread task runner and the
-// runtime choice of the CPU instruction-set path.
+// What the forward and the backward share (common.h): data formats, the validation helpers,
+// 16-bit conversions, the std::thread task runner (worker pool) and the runtime choice of
+// the CPU instruction-set path.
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -13,8 +14,8 @@
 
 #include <pthread.h>
 
-#include "bn_grad.h"
-#include "cpu/bn_grad_cpu_kernels.h"
+#include "common.h"
+#include "cpu/kernels.h"
 
 namespace fbn {
 
@@ -45,6 +46,13 @@ int DataFormatRank(DataFormat f) {
 
 bool IsChannelsFirst(DataFormat f) {
   return f == DataFormat::kNCHW || f == DataFormat::kNCDHW;
+}
+
+bool ParseActivation(const std::string& s, Activation* out) {
+  if (s == "Identity") *out = Activation::kIdentity;
+  else if (s == "Relu") *out = Activation::kRelu;
+  else return false;
+  return true;
 }
 
 // ---- validation -------------------------------------------------------------------------
@@ -144,19 +152,6 @@ ValidationResult ValidateBnInputs(const std::vector<int64_t>& dy_dims,
   }
   r.shape.channels = C;
   return r;
-}
-
-ValidationResult ValidateBnGradInputs(const std::vector<int64_t>& dy_dims,
-                                      const std::vector<int64_t>& x_dims,
-                                      const std::vector<int64_t>& scale_dims,
-                                      const std::vector<int64_t>& rs1_dims,
-                                      const std::vector<int64_t>& rs2_dims, DataFormat format,
-                                      float epsilon) {
-  return ValidateBnInputs(dy_dims, x_dims,
-                          {{"scale", &scale_dims},
-                           {"reserve_space_1 (saved mean)", &rs1_dims},
-                           {"reserve_space_2 (saved variance)", &rs2_dims}},
-                          format, epsilon);
 }
 
 // ---- 16-bit conversions (round to nearest even) ----------------------------------------
@@ -416,35 +411,5 @@ cpu::KernelSet<T> cpu::KernelsFor(CpuIsa isa) {
 template cpu::KernelSet<float> cpu::KernelsFor<float>(CpuIsa);
 template cpu::KernelSet<half_t> cpu::KernelsFor<half_t>(CpuIsa);
 template cpu::KernelSet<bfloat16_t> cpu::KernelsFor<bfloat16_t>(CpuIsa);
-
-template <typename T>
-void BnGradCpu(const BnGradParams& params, const BnGradArgs<T>& args, const TaskRunner& runner,
-               CpuIsa isa) {
-  cpu::KernelsFor<T>(isa).fused(params, args, runner);
-}
-
-template <typename T>
-void BnGradReduceCpu(const BnGradParams& params, const BnGradArgs<T>& args, float* sum_dy,
-                     float* sum_dy_xmu, const TaskRunner& runner, CpuIsa isa) {
-  cpu::KernelsFor<T>(isa).reduce(params, args, sum_dy, sum_dy_xmu, runner);
-}
-
-template <typename T>
-void BnGradApplyCpu(const BnGradParams& params, const BnGradArgs<T>& args, const float* sum_dy,
-                    const float* sum_dy_xmu, float count, const TaskRunner& runner, CpuIsa isa) {
-  cpu::KernelsFor<T>(isa).apply(params, args, sum_dy, sum_dy_xmu, count, runner);
-}
-
-#define FBN_INSTANTIATE(T)                                                                 \
-  template void BnGradCpu<T>(const BnGradParams&, const BnGradArgs<T>&, const TaskRunner&,  \
-                             CpuIsa);                                                      \
-  template void BnGradReduceCpu<T>(const BnGradParams&, const BnGradArgs<T>&, float*, float*, \
-                                   const TaskRunner&, CpuIsa);                             \
-  template void BnGradApplyCpu<T>(const BnGradParams&, const BnGradArgs<T>&, const float*,  \
-                                  const float*, float, const TaskRunner&, CpuIsa);
-FBN_INSTANTIATE(float)
-FBN_INSTANTIATE(half_t)
-FBN_INSTANTIATE(bfloat16_t)
-#undef FBN_INSTANTIATE
 
 }  // namespace fbn

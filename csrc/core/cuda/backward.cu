@@ -1,5 +1,5 @@
 // CUDA kernels of the core: batch-normalization backward on the canonical view
-// [outer, channels, inner] (bn_grad.h). See docs/GPU.md for the design.
+// [outer, channels, inner] (../common.h). See docs/GPU.md for the design.
 //
 // Passes (all on the caller's stream, no host synchronisation):
 //   training : Pass<kReduce>  -> Finalize -> Pass<kApply>
@@ -25,14 +25,14 @@
 //   [2GC,    2GC+C)   k[c]   = scale * inv
 //   [2GC+C,  2GC+2C)  mdy[c] = sum(dy) / M
 //   [2GC+2C, 2GC+3C)  q[c]   = inv * inv * sum(dy * (x-mean)) / M
-#include "bn_grad_cuda.h"
+#include "backward.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
-#include "cuda_common.cuh"
+#include "common.cuh"
 
 namespace fbn {
 namespace {
@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(kThreads) Finalize(const KParams p) {
 // ---------------------------------------------------------------------------------------
 // Host side.
 
-// Chunking (cuda_common.cuh, shared with the forward): a function of the shape alone.
+// Chunking (cuda/common.cuh, shared with the forward): a function of the shape alone.
 struct Plan : ChunkPlan {
   int64_t ws_floats = 0;
 };
@@ -520,10 +520,6 @@ int BnGradCuda(const BnGradParams& params, const BnGradArgs<T>& args, void* work
       return RunWithVec<T, 1>(plan, kp, training, st);
   }
   return static_cast<int>(cudaErrorInvalidValue);
-}
-
-const char* CudaErrorString(int error) {
-  return cudaGetErrorString(static_cast<cudaError_t>(error));
 }
 
 template int BnGradCuda<float>(const BnGradParams&, const BnGradArgs<float>&, void*, size_t,

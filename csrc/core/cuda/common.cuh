@@ -1,5 +1,5 @@
-// Internal helpers shared by the CUDA sources of the core (bn_grad_cuda.cu and
-// bn_forward_cuda.cu): element-type traits, vector loads/stores, warp sums and the
+// Internal helpers shared by the CUDA sources of the core (cuda/backward.cu and
+// cuda/forward.cu): element-type traits, vector loads/stores, warp sums and the
 // shape-only chunking. Not a public header: include it from .cu files only.
 #ifndef FBN_GRAD_TF_CORE_CUDA_COMMON_CUH_
 #define FBN_GRAD_TF_CORE_CUDA_COMMON_CUH_
@@ -11,7 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "bn_grad.h"
+#include "../common.h"
 
 namespace fbn {
 namespace cuda_detail {

@@ -1,10 +1,13 @@
-// Framework-free batch-normalization backward: the one public header of the core.
+// Framework-free batch normalization: what the forward (forward.h) and the backward
+// (backward.h) share. 16-bit storage types, data formats, the canonical shape, the input
+// validation helpers, the task runner, the CPU instruction-set paths and the scalar 16-bit
+// conversions.
 //
-// Everything here takes raw pointers, sizes and a parameter struct. The TensorFlow op
-// (csrc/tf/) and the pybind11 module (csrc/py/) are thin bindings over it, so the math
+// Everything in the core takes raw pointers, sizes and a parameter struct. The TensorFlow
+// ops (csrc/tf/) and the pybind11 module (csrc/py/) are thin bindings over it, so the math
 // and the input validation exist exactly once.
-#ifndef FBN_GRAD_TF_CORE_BN_GRAD_H_
-#define FBN_GRAD_TF_CORE_BN_GRAD_H_
+#ifndef FBN_GRAD_TF_CORE_COMMON_H_
+#define FBN_GRAD_TF_CORE_COMMON_H_
 
 #include <cstdint>
 #include <functional>
@@ -31,6 +34,11 @@ enum class ElemType { kFloat32, kFloat16, kBFloat16 };
 // 1/sqrt(var + epsilon). Inference mode always receives the population variance.
 enum class SavedStat { kVariance, kInvStd };
 
+// The forward's fused activation: kRelu gives y = max(bn(x), 0) (NaN stays NaN). The
+// backward of such a forward masks y_backprop with y > 0 (BnGradArgs::relu_y).
+enum class Activation { kIdentity, kRelu };
+bool ParseActivation(const std::string& s, Activation* out);  // "Identity" / "Relu"
+
 // Parses "NHWC", "NCHW", "NDHWC", "NCDHW". Returns false for anything else.
 bool ParseDataFormat(const std::string& s, DataFormat* out);
 const char* DataFormatName(DataFormat f);
@@ -49,33 +57,9 @@ struct BnShape {
   int64_t per_channel() const { return outer * inner; }  // M in the formulas
 };
 
-struct BnGradParams {
-  BnShape shape;
-  float epsilon = 1e-4f;
-  bool is_training = true;
-  SavedStat saved_stat = SavedStat::kVariance;
-};
-
-// Pointers of one call. dy, x, dx have shape.elements() elements of T; the rest C floats.
-// dx may not alias dy or x.
-template <typename T>
-struct BnGradArgs {
-  const T* dy = nullptr;
-  const T* x = nullptr;
-  const float* scale = nullptr;
-  const float* saved_mean = nullptr;  // reserve_space_1 (training) / population mean
-  const float* saved_var = nullptr;   // reserve_space_2: see SavedStat
-  T* dx = nullptr;
-  float* dscale = nullptr;
-  float* doffset = nullptr;
-  // Fused ReLU (the forward was y = max(bn(x), 0)): when set, y_backprop is masked with
-  // relu_y > 0 before everything else, in every pass. Same shape and type as x.
-  const T* relu_y = nullptr;
-};
-
 // ---------------------------------------------------------------------------------------
 // Validation: the single source of truth for what inputs are accepted, used by the TF
-// kernel and by the pybind11 functions alike. `dims` are the shapes of the six inputs.
+// kernels and by the pybind11 functions alike.
 struct ValidationResult {
   bool ok = true;
   std::string error;  // set when !ok; names the argument, expected and actual shapes
@@ -85,15 +69,10 @@ struct ValidationResult {
 // A failed ValidationResult carrying `msg`.
 ValidationResult ValidationFailure(const std::string& msg);
 
-ValidationResult ValidateBnGradInputs(const std::vector<int64_t>& y_backprop_dims,
-                                      const std::vector<int64_t>& x_dims,
-                                      const std::vector<int64_t>& scale_dims,
-                                      const std::vector<int64_t>& reserve_space_1_dims,
-                                      const std::vector<int64_t>& reserve_space_2_dims,
-                                      DataFormat format, float epsilon);
-
 // The general form: y_backprop and x plus any number of per-channel vectors, each of which
-// must have shape [C]. Used by the split (reduce/apply) entry points.
+// must have shape [C]. Used by ValidateBnGradInputs and the split (reduce/apply) entry
+// points (backward.h), and with x standing in for y_backprop by ValidateBnForwardInputs
+// (forward.h).
 struct NamedDims {
   const char* name;
   const std::vector<int64_t>* dims;
@@ -106,7 +85,7 @@ ValidationResult ValidateBnInputs(const std::vector<int64_t>& y_backprop_dims,
 std::string ShapeString(const std::vector<int64_t>& dims);
 
 // ---------------------------------------------------------------------------------------
-// CPU kernels.
+// How the CPU kernels run: the task runner and the instruction-set paths.
 
 // How the CPU kernels run independent tasks. fn(begin, end) handles tasks [begin, end);
 // the runner may call it from any thread, with any partition of [0, num_tasks). Results
@@ -155,31 +134,6 @@ bool CpuSupports(CpuIsa isa);
 // (baseline | avx2 | avx512 | avx512bf16 | auto) asks for a lower one. Read once.
 CpuIsa DefaultCpuIsa();
 
-template <typename T>
-void BnGradCpu(const BnGradParams& params, const BnGradArgs<T>& args, const TaskRunner& runner,
-               CpuIsa isa);
-
-extern template void BnGradCpu<float>(const BnGradParams&, const BnGradArgs<float>&,
-                                      const TaskRunner&, CpuIsa);
-extern template void BnGradCpu<half_t>(const BnGradParams&, const BnGradArgs<half_t>&,
-                                       const TaskRunner&, CpuIsa);
-extern template void BnGradCpu<bfloat16_t>(const BnGradParams&, const BnGradArgs<bfloat16_t>&,
-                                           const TaskRunner&, CpuIsa);
-
-// Split backward, for cross-replica (synchronized) batch norm, training mode only:
-//   reduce: sum_dy[c] = sum(dy), sum_dy_xmu[c] = sum(dy * (x - saved_mean[c])) over the
-//           local tensor (uses args.dy, x, saved_mean);
-//   apply:  dx from sums over `count` elements per channel, typically all-reduced across
-//           replicas (uses args.dy, x, scale, saved_mean, saved_var, dx).
-// Reduce followed by Apply with the local sums and count = shape.per_channel() is bitwise
-// identical to BnGradCpu's x_backprop.
-template <typename T>
-void BnGradReduceCpu(const BnGradParams& params, const BnGradArgs<T>& args, float* sum_dy,
-                     float* sum_dy_xmu, const TaskRunner& runner, CpuIsa isa);
-template <typename T>
-void BnGradApplyCpu(const BnGradParams& params, const BnGradArgs<T>& args, const float* sum_dy,
-                    const float* sum_dy_xmu, float count, const TaskRunner& runner, CpuIsa isa);
-
 // Scalar conversions used everywhere on the CPU (round to nearest even, NaN kept quiet).
 float HalfToFloat(half_t h);
 half_t FloatToHalf(float f);
@@ -188,4 +142,4 @@ bfloat16_t FloatToBFloat16(float f);
 
 }  // namespace fbn
 
-#endif  // FBN_GRAD_TF_CORE_BN_GRAD_H_
+#endif  // FBN_GRAD_TF_CORE_COMMON_H_

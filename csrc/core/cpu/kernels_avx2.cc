@@ -1,4 +1,3 @@
 // The CPU kernels (backward and forward) compiled for the avx2 path (flags set per file by setup.py and BUILD).
 #define FBN_ISA_NS avx2
-#include "bn_grad_cpu_kernels.inc"
-#include "bn_forward_cpu_kernels.inc"
+#include "kernels.inc"

@@ -1,0 +1,78 @@
+// Framework-free batch-normalization backward (FusedBatchNormGradV3 semantics): parameters,
+// arguments, input validation and the CPU entry points, fused and split. The CUDA entry
+// points are in cuda/backward.h; what the backward shares with the forward (types, data
+// formats, shape, task runner, ISA paths) in common.h.
+#ifndef FBN_GRAD_TF_CORE_BACKWARD_H_
+#define FBN_GRAD_TF_CORE_BACKWARD_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+namespace fbn {
+
+struct BnGradParams {
+  BnShape shape;
+  float epsilon = 1e-4f;
+  bool is_training = true;
+  SavedStat saved_stat = SavedStat::kVariance;
+};
+
+// Pointers of one call. dy, x, dx have shape.elements() elements of T; the rest C floats.
+// dx may not alias dy or x.
+template <typename T>
+struct BnGradArgs {
+  const T* dy = nullptr;
+  const T* x = nullptr;
+  const float* scale = nullptr;
+  const float* saved_mean = nullptr;  // reserve_space_1 (training) / population mean
+  const float* saved_var = nullptr;   // reserve_space_2: see SavedStat
+  T* dx = nullptr;
+  float* dscale = nullptr;
+  float* doffset = nullptr;
+  // Fused ReLU (the forward was y = max(bn(x), 0)): when set, y_backprop is masked with
+  // relu_y > 0 before everything else, in every pass. Same shape and type as x.
+  const T* relu_y = nullptr;
+};
+
+// Validation of the backward's inputs (the one place, shared by the TF kernel and the
+// pybind11 module): the shapes of y_backprop, x, scale and the two reserve spaces.
+ValidationResult ValidateBnGradInputs(const std::vector<int64_t>& y_backprop_dims,
+                                      const std::vector<int64_t>& x_dims,
+                                      const std::vector<int64_t>& scale_dims,
+                                      const std::vector<int64_t>& reserve_space_1_dims,
+                                      const std::vector<int64_t>& reserve_space_2_dims,
+                                      DataFormat format, float epsilon);
+
+// ---------------------------------------------------------------------------------------
+// CPU kernels.
+
+template <typename T>
+void BnGradCpu(const BnGradParams& params, const BnGradArgs<T>& args, const TaskRunner& runner,
+               CpuIsa isa);
+
+extern template void BnGradCpu<float>(const BnGradParams&, const BnGradArgs<float>&,
+                                      const TaskRunner&, CpuIsa);
+extern template void BnGradCpu<half_t>(const BnGradParams&, const BnGradArgs<half_t>&,
+                                       const TaskRunner&, CpuIsa);
+extern template void BnGradCpu<bfloat16_t>(const BnGradParams&, const BnGradArgs<bfloat16_t>&,
+                                           const TaskRunner&, CpuIsa);
+
+// Split backward, for cross-replica (synchronized) batch norm, training mode only:
+//   reduce: sum_dy[c] = sum(dy), sum_dy_xmu[c] = sum(dy * (x - saved_mean[c])) over the
+//           local tensor (uses args.dy, x, saved_mean);
+//   apply:  dx from sums over `count` elements per channel, typically all-reduced across
+//           replicas (uses args.dy, x, scale, saved_mean, saved_var, dx).
+// Reduce followed by Apply with the local sums and count = shape.per_channel() is bitwise
+// identical to BnGradCpu's x_backprop.
+template <typename T>
+void BnGradReduceCpu(const BnGradParams& params, const BnGradArgs<T>& args, float* sum_dy,
+                     float* sum_dy_xmu, const TaskRunner& runner, CpuIsa isa);
+template <typename T>
+void BnGradApplyCpu(const BnGradParams& params, const BnGradArgs<T>& args, const float* sum_dy,
+                    const float* sum_dy_xmu, float count, const TaskRunner& runner, CpuIsa isa);
+
+}  // namespace fbn
+
+#endif  // FBN_GRAD_TF_CORE_BACKWARD_H_
