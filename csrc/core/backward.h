@@ -17,6 +17,11 @@ struct BnGradParams {
   float epsilon = 1e-4f;
   bool is_training = true;
   SavedStat saved_stat = SavedStat::kVariance;
+  // The forward's fused activation (y = act(bn(x) + side_input)): y_backprop is turned into
+  // dz = y_backprop * act'(z) inside every pass, then the batch-norm backward runs on dz.
+  // Relu/Relu6 read the mask from BnGradArgs::y; Swish recomputes z from x, the statistics,
+  // scale, BnGradArgs::offset and (if given) BnGradArgs::side_input.
+  Activation activation = Activation::kIdentity;
 };
 
 // Pointers of one call. dy, x, dx have shape.elements() elements of T; the rest C floats.
@@ -31,9 +36,15 @@ struct BnGradArgs {
   T* dx = nullptr;
   float* dscale = nullptr;
   float* doffset = nullptr;
-  // Fused ReLU (the forward was y = max(bn(x), 0)): when set, y_backprop is masked with
-  // relu_y > 0 before everything else, in every pass. Same shape and type as x.
-  const T* relu_y = nullptr;
+  // The fused activation's inputs (BnGradParams::activation), same shape and type as x:
+  // y, the forward's output (Relu, Relu6); side_input, the forward's side input (Swish, when
+  // the forward had one). offset: C floats (Swish).
+  const T* y = nullptr;
+  const T* side_input = nullptr;
+  const float* offset = nullptr;
+  // Optional output (the forward had a side input): side_input_backprop = dz, written in
+  // the first pass. Same shape and type as x; may not alias any input.
+  T* side_input_backprop = nullptr;
 };
 
 // Validation of the backward's inputs (the one place, shared by the TF kernel and the

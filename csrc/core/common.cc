@@ -51,8 +51,37 @@ bool IsChannelsFirst(DataFormat f) {
 bool ParseActivation(const std::string& s, Activation* out) {
   if (s == "Identity") *out = Activation::kIdentity;
   else if (s == "Relu") *out = Activation::kRelu;
+  else if (s == "Relu6") *out = Activation::kRelu6;
+  else if (s == "Swish") *out = Activation::kSwish;
   else return false;
   return true;
+}
+
+const char* ActivationName(Activation a) {
+  switch (a) {
+    case Activation::kIdentity: return "Identity";
+    case Activation::kRelu: return "Relu";
+    case Activation::kRelu6: return "Relu6";
+    case Activation::kSwish: return "Swish";
+  }
+  return "?";
+}
+
+const char* CudaUnsupportedReason(Activation a, bool side_input) {
+  if (side_input) {
+    return "side_input is not implemented by fbn_grad_tf's CUDA kernels yet (CPU only); "
+           "place the op on the CPU or add the side input with a separate op";
+  }
+  if (a == Activation::kRelu6 || a == Activation::kSwish) {
+    return "activation_mode Relu6 and Swish are not implemented by fbn_grad_tf's CUDA "
+           "kernels yet (CPU only); place the op on the CPU or apply the activation with a "
+           "separate op";
+  }
+  return nullptr;
+}
+
+std::string UnknownActivationMessage(const std::string& s) {
+  return "activation_mode must be one of Identity, Relu, Relu6, Swish, got '" + s + "'";
 }
 
 // ---- validation -------------------------------------------------------------------------
@@ -151,6 +180,46 @@ ValidationResult ValidateBnInputs(const std::vector<int64_t>& dy_dims,
         ": the product of its non-channel dimensions must fit in 64 bits");
   }
   r.shape.channels = C;
+  return r;
+}
+
+ValidationResult ValidateExInputs(const std::vector<int64_t>& x_dims, const BnShape& shape,
+                                  Activation activation, const ExInputs& in) {
+  if (in.num_side_inputs < 0 || in.num_side_inputs > 1) {
+    return ValidationFailure("num_side_inputs must be 0 or 1, got " +
+                             std::to_string(in.num_side_inputs));
+  }
+  const bool side_needed = !in.backward || activation == Activation::kSwish;
+  if (in.num_side_inputs == 1 && side_needed && in.side_input == nullptr) {
+    return ValidationFailure("side_input is missing (num_side_inputs is 1)");
+  }
+  if (in.side_input != nullptr && *in.side_input != x_dims) {
+    return ValidationFailure("side_input must have the shape of x " + ShapeString(x_dims) +
+                             ", got shape " + ShapeString(*in.side_input));
+  }
+  if (in.backward) {
+    const bool needs_y = activation == Activation::kRelu || activation == Activation::kRelu6;
+    if (needs_y && in.y == nullptr) {
+      return ValidationFailure(std::string("y (the forward's output) is required by "
+                                           "activation_mode ") + ActivationName(activation));
+    }
+    if (in.y != nullptr && *in.y != x_dims) {
+      return ValidationFailure("y must have the shape of x " + ShapeString(x_dims) +
+                               ", got shape " + ShapeString(*in.y));
+    }
+    if (activation == Activation::kSwish && in.offset == nullptr) {
+      return ValidationFailure("offset is required by activation_mode Swish (its backward "
+                               "recomputes z = bn(x) + side_input)");
+    }
+    if (in.offset != nullptr &&
+        (in.offset->size() != 1 || (*in.offset)[0] != shape.channels)) {
+      return ValidationFailure("offset must have shape [" + std::to_string(shape.channels) +
+                               "] (the channel count of x), got shape " +
+                               ShapeString(*in.offset));
+    }
+  }
+  ValidationResult r;
+  r.shape = shape;
   return r;
 }
 

@@ -34,10 +34,19 @@ enum class ElemType { kFloat32, kFloat16, kBFloat16 };
 // 1/sqrt(var + epsilon). Inference mode always receives the population variance.
 enum class SavedStat { kVariance, kInvStd };
 
-// The forward's fused activation: kRelu gives y = max(bn(x), 0) (NaN stays NaN). The
-// backward of such a forward masks y_backprop with y > 0 (BnGradArgs::relu_y).
-enum class Activation { kIdentity, kRelu };
-bool ParseActivation(const std::string& s, Activation* out);  // "Identity" / "Relu"
+// The forward's fused activation, applied after the optional side input:
+// y = act(bn(x) + side_input). The math (forward and derivative) is in activation.h.
+enum class Activation { kIdentity, kRelu, kRelu6, kSwish };
+// "Identity", "Relu", "Relu6", "Swish" (the ops' activation_mode values); false otherwise.
+bool ParseActivation(const std::string& s, Activation* out);
+const char* ActivationName(Activation a);
+// The message of an unknown activation_mode (names the argument and the accepted values).
+std::string UnknownActivationMessage(const std::string& s);
+
+// The CUDA kernels implement Identity and Relu without a side input so far. For anything
+// else this returns why (a message for the op's error), else nullptr. The CPU kernels
+// implement every mode.
+const char* CudaUnsupportedReason(Activation a, bool side_input);
 
 // Parses "NHWC", "NCHW", "NDHWC", "NCDHW". Returns false for anything else.
 bool ParseDataFormat(const std::string& s, DataFormat* out);
@@ -83,6 +92,22 @@ ValidationResult ValidateBnInputs(const std::vector<int64_t>& y_backprop_dims,
                                   float epsilon);
 
 std::string ShapeString(const std::vector<int64_t>& dims);
+
+// The fused ops' extra inputs (FusedBatchNormEx / FusedBatchNormGradEx), checked after the
+// base validation. Null pointers are absent inputs.
+//   side_input (0 or 1): the shape of x.
+//   y (backward of Relu/Relu6): the shape of x; required by those modes.
+//   offset (backward of Swish): [C]; required by Swish, whose z is recomputed.
+// num_side_inputs must be 0 or 1.
+struct ExInputs {
+  int num_side_inputs = 0;
+  const std::vector<int64_t>* side_input = nullptr;
+  const std::vector<int64_t>* y = nullptr;
+  const std::vector<int64_t>* offset = nullptr;
+  bool backward = false;
+};
+ValidationResult ValidateExInputs(const std::vector<int64_t>& x_dims, const BnShape& shape,
+                                  Activation activation, const ExInputs& in);
 
 // ---------------------------------------------------------------------------------------
 // How the CPU kernels run: the task runner and the instruction-set paths.

@@ -12,8 +12,9 @@
 //            saved_mean = mean; saved_var = var (CPU convention) or inv (GPU / cuDNN).
 // Inference: y = (x - running_mean) * scale/sqrt(running_var + epsilon) + offset;
 //            batch_mean/batch_variance/saved_mean/saved_var = running_mean/running_var.
-// Activation kRelu: y = max(bn(x), 0) (NaN stays NaN). Its backward masks y_backprop
-// with y > 0 (BnGradArgs::relu_y).
+// Side input and activation (FusedBatchNormEx): y = act(bn(x) + side_input), the side input
+// (optional, the shape and type of x) added in float before the activation (activation.h:
+// Identity, Relu, Relu6, Swish; NaN stays NaN). The backward: backward.h (BnGradParams).
 #ifndef FBN_GRAD_TF_CORE_FORWARD_H_
 #define FBN_GRAD_TF_CORE_FORWARD_H_
 
@@ -45,7 +46,7 @@ struct BnForwardParams {
   }
 };
 
-// x and y have shape.elements() elements of T; every other pointer C floats. y may not
+// x, side_input and y have shape.elements() elements of T; every other pointer C floats. y may not
 // alias x. running_mean/running_var: see BnForwardParams::reads_running_stats().
 template <typename T>
 struct BnForwardArgs {
@@ -54,6 +55,7 @@ struct BnForwardArgs {
   const float* offset = nullptr;
   const float* running_mean = nullptr;  // input "mean"
   const float* running_var = nullptr;   // input "variance"
+  const T* side_input = nullptr;        // optional: y = act(bn(x) + side_input)
   T* y = nullptr;
   float* batch_mean = nullptr;      // output 1
   float* batch_variance = nullptr;  // output 2

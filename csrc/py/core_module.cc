@@ -54,10 +54,35 @@ fbn::BnShape Validate(const std::vector<std::vector<int64_t>>& shapes, const std
   return v.shape;
 }
 
-// Addresses of dy, x, scale, rs1, rs2, dx, dscale, doffset[, relu_y (0: no fused ReLU)].
+fbn::Activation ParseAct(const std::string& s) {
+  fbn::Activation a;
+  if (!fbn::ParseActivation(s, &a)) throw py::value_error(fbn::UnknownActivationMessage(s));
+  return a;
+}
+
+// The fused backward's extra inputs: shapes[5..7] are those of y, offset, side_input, each
+// used where present[0..2] says so; present[3]: side_input_backprop is wanted. Validated by
+// the core's ValidateExInputs (the TF op's checks and messages).
+void ValidateGradEx(const std::vector<std::vector<int64_t>>& shapes, const fbn::BnShape& shape,
+                    fbn::Activation act, const std::vector<bool>& present) {
+  if (shapes.size() != 8 || present.size() != 4) {
+    throw py::value_error("expected the shapes of 8 inputs and 4 presence flags");
+  }
+  fbn::ExInputs ex;
+  ex.backward = true;
+  ex.num_side_inputs = (present[2] || present[3]) ? 1 : 0;
+  if (present[0]) ex.y = &shapes[5];
+  if (present[1]) ex.offset = &shapes[6];
+  if (present[2]) ex.side_input = &shapes[7];
+  const fbn::ValidationResult v = fbn::ValidateExInputs(shapes[1], shape, act, ex);
+  if (!v.ok) throw py::value_error(v.error);
+}
+
+// Addresses of dy, x, scale, rs1, rs2, dx, dscale, doffset[, y, offset, side_input,
+// side_input_backprop (0: absent)].
 template <typename T>
 fbn::BnGradArgs<T> Args(const std::vector<uintptr_t>& p) {
-  if (p.size() != 8 && p.size() != 9) throw py::value_error("expected 8 or 9 buffer addresses");
+  if (p.size() != 8 && p.size() != 12) throw py::value_error("expected 8 or 12 buffer addresses");
   fbn::BnGradArgs<T> a;
   a.dy = reinterpret_cast<const T*>(p[0]);
   a.x = reinterpret_cast<const T*>(p[1]);
@@ -67,7 +92,12 @@ fbn::BnGradArgs<T> Args(const std::vector<uintptr_t>& p) {
   a.dx = reinterpret_cast<T*>(p[5]);
   a.dscale = reinterpret_cast<float*>(p[6]);
   a.doffset = reinterpret_cast<float*>(p[7]);
-  if (p.size() == 9) a.relu_y = reinterpret_cast<const T*>(p[8]);
+  if (p.size() == 12) {
+    a.y = reinterpret_cast<const T*>(p[8]);
+    a.offset = reinterpret_cast<const float*>(p[9]);
+    a.side_input = reinterpret_cast<const T*>(p[10]);
+    a.side_input_backprop = reinterpret_cast<T*>(p[11]);
+  }
   return a;
 }
 
@@ -88,7 +118,9 @@ fbn::BnForwardParams ForwardParams(const std::vector<std::vector<int64_t>>& shap
                                    const std::string& format, float epsilon, float factor,
                                    bool is_training, const std::string& activation,
                                    const std::string& saved_stat) {
-  if (shapes.size() != 5) throw py::value_error("expected the shapes of 5 inputs");
+  if (shapes.size() != 5 && shapes.size() != 6) {
+    throw py::value_error("expected the shapes of 5 or 6 inputs");
+  }
   const fbn::ValidationResult v = fbn::ValidateBnForwardInputs(
       shapes[0], shapes[1], shapes[2], shapes[3], shapes[4], Format(format), epsilon, factor,
       is_training);
@@ -99,17 +131,23 @@ fbn::BnForwardParams ForwardParams(const std::vector<std::vector<int64_t>>& shap
   p.exponential_avg_factor = factor;
   p.is_training = is_training;
   p.saved_stat = Stat(saved_stat);
-  if (!fbn::ParseActivation(activation, &p.activation)) {
-    throw py::value_error("activation must be 'Identity' or 'Relu', got '" + activation + "'");
+  p.activation = ParseAct(activation);
+  // shapes[5]: the side input (y = act(bn(x) + side_input)).
+  fbn::ExInputs ex;
+  if (shapes.size() == 6) {
+    ex.num_side_inputs = 1;
+    ex.side_input = &shapes[5];
   }
+  const fbn::ValidationResult vx = fbn::ValidateExInputs(shapes[0], v.shape, p.activation, ex);
+  if (!vx.ok) throw py::value_error(vx.error);
   return p;
 }
 
 // Addresses of x, scale, offset, mean, variance, y, batch_mean, batch_variance, saved_mean,
-// saved_var (mean/variance may be 0 when the params do not read them).
+// saved_var[, side_input] (mean/variance may be 0 when the params do not read them).
 template <typename T>
 fbn::BnForwardArgs<T> ForwardArgs(const std::vector<uintptr_t>& p) {
-  if (p.size() != 10) throw py::value_error("expected 10 buffer addresses");
+  if (p.size() != 10 && p.size() != 11) throw py::value_error("expected 10 or 11 buffer addresses");
   fbn::BnForwardArgs<T> a;
   a.x = reinterpret_cast<const T*>(p[0]);
   a.scale = reinterpret_cast<const float*>(p[1]);
@@ -121,6 +159,7 @@ fbn::BnForwardArgs<T> ForwardArgs(const std::vector<uintptr_t>& p) {
   a.batch_variance = reinterpret_cast<float*>(p[7]);
   a.saved_mean = reinterpret_cast<float*>(p[8]);
   a.saved_var = reinterpret_cast<float*>(p[9]);
+  if (p.size() == 11) a.side_input = reinterpret_cast<const T*>(p[10]);
   return a;
 }
 
@@ -141,8 +180,10 @@ void BnForwardCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& ptr
 }
 
 fbn::BnGradParams Params(const fbn::BnShape& s, float epsilon, bool is_training,
-                         const std::string& saved_stat) {
+                         const std::string& saved_stat,
+                         const std::string& activation = "Identity") {
   fbn::BnGradParams p;
+  p.activation = ParseAct(activation);
   p.shape = s;
   p.epsilon = epsilon;
   p.is_training = is_training;
@@ -150,12 +191,35 @@ fbn::BnGradParams Params(const fbn::BnShape& s, float epsilon, bool is_training,
   return p;
 }
 
+// The base validation of a backward call (shapes[0..4]) and, with 8 shapes, the fused
+// inputs' (ValidateGradEx).
+fbn::BnGradParams GradParams(const std::vector<std::vector<int64_t>>& shapes,
+                             const std::string& format, float epsilon, bool is_training,
+                             const std::string& saved_stat, const std::string& activation,
+                             const std::vector<bool>& present) {
+  if (shapes.size() != 5 && shapes.size() != 8) {
+    throw py::value_error("expected the shapes of 5 or 8 inputs");
+  }
+  const std::vector<std::vector<int64_t>> base(shapes.begin(), shapes.begin() + 5);
+  const fbn::BnGradParams params =
+      Params(Validate(base, format, epsilon), epsilon, is_training, saved_stat, activation);
+  if (shapes.size() == 8) {
+    ValidateGradEx(shapes, params.shape, params.activation, present);
+  } else if (params.activation != fbn::Activation::kIdentity) {
+    throw py::value_error(std::string("activation_mode ") +
+                          fbn::ActivationName(params.activation) +
+                          " needs the fused inputs (y, offset, side_input)");
+  }
+  return params;
+}
+
 void BnGradCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
                   const std::vector<std::vector<int64_t>>& shapes, const std::string& format,
                   float epsilon, bool is_training, const std::string& saved_stat,
-                  int num_threads, const std::string& isa) {
+                  int num_threads, const std::string& isa, const std::string& activation,
+                  const std::vector<bool>& present) {
   const fbn::BnGradParams params =
-      Params(Validate(shapes, format, epsilon), epsilon, is_training, saved_stat);
+      GradParams(shapes, format, epsilon, is_training, saved_stat, activation, present);
   const fbn::CpuIsa cpu_isa = Isa(isa);
   const fbn::ThreadRunner runner(num_threads);
   py::gil_scoped_release release;
@@ -186,6 +250,9 @@ void BnForwardCudaRaw(const std::string& dtype, const std::vector<uintptr_t>& pt
                       uintptr_t workspace, size_t workspace_bytes, uintptr_t stream) {
   const fbn::BnForwardParams params =
       ForwardParams(shapes, format, epsilon, factor, is_training, activation, saved_stat);
+  if (const char* why = fbn::CudaUnsupportedReason(params.activation, shapes.size() == 6)) {
+    throw py::value_error(why);
+  }
   if (workspace_bytes < fbn::BnForwardCudaWorkspaceBytes(params)) {
     throw py::value_error("workspace too small");
   }
@@ -209,9 +276,14 @@ size_t CudaWorkspaceBytes(const std::vector<std::vector<int64_t>>& shapes,
 void BnGradCudaRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
                    const std::vector<std::vector<int64_t>>& shapes, const std::string& format,
                    float epsilon, bool is_training, const std::string& saved_stat,
-                   uintptr_t workspace, size_t workspace_bytes, uintptr_t stream) {
+                   uintptr_t workspace, size_t workspace_bytes, uintptr_t stream,
+                   const std::string& activation, const std::vector<bool>& present) {
   const fbn::BnGradParams params =
-      Params(Validate(shapes, format, epsilon), epsilon, is_training, saved_stat);
+      GradParams(shapes, format, epsilon, is_training, saved_stat, activation, present);
+  const bool side = present.size() == 4 && (present[2] || present[3]);
+  if (const char* why = fbn::CudaUnsupportedReason(params.activation, side)) {
+    throw py::value_error(why);
+  }
   if (workspace_bytes < fbn::BnGradCudaWorkspaceBytes(params)) {
     throw py::value_error("workspace too small");
   }
@@ -255,19 +327,34 @@ PYBIND11_MODULE(_core, m) {
         "returns the canonical (outer, channels, inner) view or raises ValueError.");
   m.def("bn_grad_cpu_raw", &BnGradCpuRaw, py::arg("dtype"), py::arg("ptrs"), py::arg("shapes"),
         py::arg("data_format"), py::arg("epsilon"), py::arg("is_training"),
-        py::arg("saved_stat"), py::arg("num_threads"), py::arg("isa"));
+        py::arg("saved_stat"), py::arg("num_threads"), py::arg("isa"),
+        py::arg("activation") = "Identity", py::arg("present") = std::vector<bool>());
   m.def("validate_forward",
         [](const std::vector<std::vector<int64_t>>& shapes, const std::string& format,
-           float epsilon, float factor, bool is_training) {
+           float epsilon, float factor, bool is_training, const std::string& activation) {
           const fbn::BnShape s =
-              ForwardParams(shapes, format, epsilon, factor, is_training, "Identity", "variance")
+              ForwardParams(shapes, format, epsilon, factor, is_training, activation, "variance")
                   .shape;
           return py::make_tuple(s.outer, s.channels, s.inner);
         },
         py::arg("shapes"), py::arg("data_format"), py::arg("epsilon"),
         py::arg("exponential_avg_factor"), py::arg("is_training"),
-        "Validates the shapes of the forward's (x, scale, offset, mean, variance); returns "
-        "the canonical (outer, channels, inner) view or raises ValueError.");
+        py::arg("activation") = "Identity",
+        "Validates the shapes of the forward's (x, scale, offset, mean, variance[, "
+        "side_input]) and the activation_mode; returns the canonical (outer, channels, "
+        "inner) view or raises ValueError.");
+  m.def("validate_grad_ex",
+        [](const std::vector<std::vector<int64_t>>& shapes, const std::string& format,
+           float epsilon, const std::string& activation, const std::vector<bool>& present) {
+          const fbn::BnShape s =
+              GradParams(shapes, format, epsilon, true, "variance", activation, present).shape;
+          return py::make_tuple(s.outer, s.channels, s.inner);
+        },
+        py::arg("shapes"), py::arg("data_format"), py::arg("epsilon"), py::arg("activation"),
+        py::arg("present"),
+        "Validates the fused backward's shapes (y_backprop, x, scale, reserve_space_1, "
+        "reserve_space_2, y, offset, side_input; present says which of the last three are "
+        "given, and whether side_input_backprop is wanted) and the activation_mode.");
   m.def("bn_forward_cpu_raw", &BnForwardCpuRaw, py::arg("dtype"), py::arg("ptrs"),
         py::arg("shapes"), py::arg("data_format"), py::arg("epsilon"),
         py::arg("exponential_avg_factor"), py::arg("is_training"), py::arg("activation"),
@@ -289,7 +376,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("bn_grad_cuda_raw", &BnGradCudaRaw, py::arg("dtype"), py::arg("ptrs"), py::arg("shapes"),
         py::arg("data_format"), py::arg("epsilon"), py::arg("is_training"),
         py::arg("saved_stat"), py::arg("workspace"), py::arg("workspace_bytes"),
-        py::arg("stream"));
+        py::arg("stream"), py::arg("activation") = "Identity",
+        py::arg("present") = std::vector<bool>());
   m.def("cuda_forward_workspace_bytes", &CudaForwardWorkspaceBytes, py::arg("shapes"),
         py::arg("data_format"), py::arg("epsilon"), py::arg("exponential_avg_factor"),
         py::arg("is_training"));

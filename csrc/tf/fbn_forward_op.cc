@@ -8,6 +8,7 @@
 // them correctly; reserve_space_3 is an empty [0] tensor (nothing else is needed).
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -48,11 +49,11 @@ constexpr char kForwardExOpName[] = "FbnGrad>FusedBatchNormEx";
       .Attr("epsilon: float = 0.0001")                                     \
       .Attr("exponential_avg_factor: float = 1.0")                         \
       .Attr("data_format: { 'NHWC', 'NCHW', 'NDHWC', 'NCDHW' } = 'NHWC'")  \
-      .Attr("is_training: bool = true")                                    \
-      .SetShapeFn(tensorflow::shape_inference::FusedBatchNormV3Shape)
+      .Attr("is_training: bool = true")
 
 REGISTER_OP("FbnGrad>FusedBatchNormV3")
     .FBN_FORWARD_OP_COMMON
+    .SetShapeFn(tensorflow::shape_inference::FusedBatchNormV3Shape)
     .Doc(R"doc(
 Batch-normalization forward with the semantics of FusedBatchNormV3, computed by
 fbn_grad_tf's own kernels (training statistics in one read of x, deterministic).
@@ -60,13 +61,29 @@ reserve_space_2 holds the biased batch variance on CPU and 1/sqrt(var + epsilon)
 like TF's own kernels; reserve_space_3 is an empty [0] tensor.
 )doc");
 
+// Inputs and attributes of TF's _FusedBatchNormEx: the side input is a list of 0 or 1
+// tensors (num_side_inputs, default 0, so graphs built before it existed still load).
 REGISTER_OP("FbnGrad>FusedBatchNormEx")
     .FBN_FORWARD_OP_COMMON
-    .Attr("activation_mode: { 'Identity', 'Relu' } = 'Identity'")
+    .Input("side_input: num_side_inputs * T")
+    .Attr("num_side_inputs: int >= 0 = 0")
+    .Attr("activation_mode: { 'Identity', 'Relu', 'Relu6', 'Swish' } = 'Identity'")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      TF_RETURN_IF_ERROR(tensorflow::shape_inference::FusedBatchNormV3Shape(c));
+      for (int i = 5; i < c->num_inputs(); ++i) {  // the side input has y's shape
+        tensorflow::shape_inference::ShapeHandle y;
+        TF_RETURN_IF_ERROR(c->Merge(c->input(i), c->output(0), &y));
+        c->set_output(0, y);
+      }
+      return absl::OkStatus();
+    })
     .Doc(R"doc(
-FbnGrad>FusedBatchNormV3 followed by an activation, in the same pass over the data:
-y = relu(batch_norm(x)) with activation_mode "Relu" (NaN stays NaN). Its gradient is
-FbnGrad>FusedBatchNormGradEx, which reads y.
+FbnGrad>FusedBatchNormV3 followed by a side input and an activation, in the same pass over
+the data: y = act(batch_norm(x) + side_input) (side_input optional, num_side_inputs 0 or
+1, the shape and type of x). activation_mode: Identity, Relu (max(z, 0)), Relu6
+(min(max(z, 0), 6)), Swish (z * sigmoid(z), also called SiLU); NaN stays NaN. Its
+gradient is FbnGrad>FusedBatchNormGradEx, which reads y (Relu, Relu6) or recomputes z
+from x, offset and the side input (Swish).
 )doc");
 #undef FBN_FORWARD_OP_COMMON
 
@@ -85,7 +102,13 @@ class FbnForwardOpBase : public OpKernel {
       std::string mode;
       OP_REQUIRES_OK(ctx, ctx->GetAttr("activation_mode", &mode));
       OP_REQUIRES(ctx, fbn::ParseActivation(mode, &params_.activation),
-                  tensorflow::errors::InvalidArgument("Invalid activation_mode: ", mode));
+                  tensorflow::errors::InvalidArgument(fbn::UnknownActivationMessage(mode)));
+    }
+    if (ctx->HasAttr("num_side_inputs")) {
+      OP_REQUIRES_OK(ctx, ctx->GetAttr("num_side_inputs", &num_side_inputs_));
+      OP_REQUIRES(ctx, num_side_inputs_ >= 0 && num_side_inputs_ <= 1,
+                  tensorflow::errors::InvalidArgument(
+                      "num_side_inputs must be 0 or 1, got ", num_side_inputs_));
     }
   }
 
@@ -102,6 +125,20 @@ class FbnForwardOpBase : public OpKernel {
         params_.is_training);
     if (!v.ok) {
       ctx->SetStatus(tensorflow::errors::InvalidArgument(v.error));
+      return false;
+    }
+    const Tensor* side = num_side_inputs_ == 1 ? &ctx->input(5) : nullptr;
+    std::vector<int64_t> side_dims;
+    fbn::ExInputs ex;
+    ex.num_side_inputs = num_side_inputs_;
+    if (side != nullptr) {
+      side_dims = Dims(*side);
+      ex.side_input = &side_dims;
+    }
+    const fbn::ValidationResult vx =
+        fbn::ValidateExInputs(Dims(x), v.shape, params_.activation, ex);
+    if (!vx.ok) {
+      ctx->SetStatus(tensorflow::errors::InvalidArgument(vx.error));
       return false;
     }
     const TensorShape vec({v.shape.channels});
@@ -122,6 +159,7 @@ class FbnForwardOpBase : public OpKernel {
       args->running_mean = ctx->input(3).flat<float>().data();
       args->running_var = ctx->input(4).flat<float>().data();
     }
+    if (side != nullptr) args->side_input = CoreData<T>(*side);
     args->y = CoreData<T>(y);
     args->batch_mean = batch_mean->flat<float>().data();
     args->batch_variance = batch_var->flat<float>().data();
@@ -139,6 +177,9 @@ class FbnForwardOpBase : public OpKernel {
 
   fbn::BnForwardParams params_;  // attrs only; shape and saved_stat are set per call
   fbn::DataFormat format_ = fbn::DataFormat::kNHWC;
+
+ protected:
+  int num_side_inputs_ = 0;
 };
 
 template <typename T>
@@ -168,6 +209,10 @@ class FbnForwardGpuOp : public FbnForwardOpBase {
     fbn::BnForwardParams params;
     fbn::BnForwardArgs<typename CoreType<T>::type> args;
     if (!Prepare<T>(ctx, fbn::SavedStat::kInvStd, &params, &args)) return;
+    const char* unsupported =
+        fbn::CudaUnsupportedReason(params.activation, args.side_input != nullptr);
+    OP_REQUIRES(ctx, unsupported == nullptr,
+                tensorflow::errors::Unimplemented(kForwardExOpName, " on GPU: ", unsupported));
     const size_t ws_bytes = fbn::BnForwardCudaWorkspaceBytes(params);
     LaunchOnOpStream(ctx, ws_bytes, "forward", [&](void* ws, void* stream) {
       return fbn::BnForwardCuda(params, args, ws, ws_bytes, stream);

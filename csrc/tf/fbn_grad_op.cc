@@ -61,23 +61,44 @@ the device it runs on assumes that device's convention. reserve_space_3 is accep
 shape and ignored. reserve_space_4/5 are empty [0] tensors.
 )doc");
 
-// The backward of our forward with a fused activation (FbnGrad>FusedBatchNormEx): the
-// inputs of FusedBatchNormGradV3 plus that forward's output y. With activation_mode "Relu",
-// y_backprop is masked with y > 0 inside the kernel's passes (no extra pass, no extra
-// tensor); "Identity" is FusedBatchNormGradV3 exactly.
+// The backward of our forward with a side input and a fused activation
+// (FbnGrad>FusedBatchNormEx): the inputs of FusedBatchNormGradV3 plus that forward's output y,
+// then (new, as lists so that graphs built before them still load) the forward's offset and
+// side input, read by Swish only, which recomputes z = bn(x) + side_input; outputs those of
+// FusedBatchNormGradV3 plus side_input_backprop (TF's _FusedBatchNormGradEx's list of 0/1).
+// y_backprop becomes dz = y_backprop * act'(z) inside the kernel's passes (no extra pass, no
+// extra tensor); side_input_backprop = dz; "Identity" without side input is
+// FusedBatchNormGradV3 exactly.
 constexpr char kExOpName[] = "FbnGrad>FusedBatchNormGradEx";
 REGISTER_OP("FbnGrad>FusedBatchNormGradEx")
     .FBN_GRAD_OP_COMMON
     .Input("y: T")
-    .Attr("activation_mode: { 'Identity', 'Relu' } = 'Identity'")
+    .Input("offset: num_offsets * U")
+    .Input("side_input: num_side_inputs * T")
+    .Output("side_input_backprop: num_side_inputs * T")
+    .Attr("activation_mode: { 'Identity', 'Relu', 'Relu6', 'Swish' } = 'Identity'")
+    .Attr("num_offsets: int >= 0 = 0")
+    .Attr("num_side_inputs: int >= 0 = 0")
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
       TF_RETURN_IF_ERROR(tensorflow::shape_inference::FusedBatchNormGradShape(c));
-      tensorflow::shape_inference::ShapeHandle y;  // y has x's shape
-      return c->Merge(c->input(6), c->output(0), &y);
+      tensorflow::shape_inference::ShapeHandle x = c->output(0);
+      TF_RETURN_IF_ERROR(c->Merge(c->input(6), x, &x));  // y has x's shape
+      int num_offsets = 0, num_side = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_offsets", &num_offsets));
+      TF_RETURN_IF_ERROR(c->GetAttr("num_side_inputs", &num_side));
+      for (int i = 0; i < num_side; ++i) {  // side inputs have x's shape
+        TF_RETURN_IF_ERROR(c->Merge(c->input(7 + num_offsets + i), x, &x));
+      }
+      c->set_output(0, x);
+      for (int i = 0; i < num_side; ++i) c->set_output(5 + i, x);
+      return absl::OkStatus();
     })
     .Doc(R"doc(
-FusedBatchNormGradV3 of y = activation(batch_norm(x)) (FbnGrad>FusedBatchNormEx): y is that
-forward's output; with activation_mode "Relu" the gradient flows only where y > 0.
+FusedBatchNormGradV3 of y = act(batch_norm(x) + side_input) (FbnGrad>FusedBatchNormEx): y is
+that forward's output, read by Relu (gradient where y > 0) and Relu6 (where 0 < y < 6);
+offset (num_offsets = 1) and side_input (num_side_inputs, the forward's) are read by Swish,
+which recomputes z. side_input_backprop (num_side_inputs outputs) is dz, the gradient of
+batch_norm(x) + side_input.
 )doc");
 #undef FBN_GRAD_OP_COMMON
 
@@ -95,7 +116,17 @@ class FbnGradOpBase : public OpKernel {
       std::string mode;
       OP_REQUIRES_OK(ctx, ctx->GetAttr("activation_mode", &mode));
       OP_REQUIRES(ctx, fbn::ParseActivation(mode, &activation_),
-                  tensorflow::errors::InvalidArgument("Invalid activation_mode: ", mode));
+                  tensorflow::errors::InvalidArgument(fbn::UnknownActivationMessage(mode)));
+    }
+    if (ctx->HasAttr("num_side_inputs")) {
+      OP_REQUIRES_OK(ctx, ctx->GetAttr("num_offsets", &num_offsets_));
+      OP_REQUIRES_OK(ctx, ctx->GetAttr("num_side_inputs", &num_side_inputs_));
+      OP_REQUIRES(ctx, num_offsets_ >= 0 && num_offsets_ <= 1,
+                  tensorflow::errors::InvalidArgument("num_offsets must be 0 or 1, got ",
+                                                      num_offsets_));
+      OP_REQUIRES(ctx, num_side_inputs_ >= 0 && num_side_inputs_ <= 1,
+                  tensorflow::errors::InvalidArgument("num_side_inputs must be 0 or 1, got ",
+                                                      num_side_inputs_));
     }
   }
 
@@ -105,7 +136,10 @@ class FbnGradOpBase : public OpKernel {
     Tensor* dx = nullptr;
     Tensor* dscale = nullptr;
     Tensor* doffset = nullptr;
-    bool relu = false;  // GradEx with activation_mode Relu: mask y_backprop with y > 0
+    Tensor* side_input_backprop = nullptr;  // GradEx with num_side_inputs 1
+    const Tensor* y = nullptr;              // GradEx: the forward's output
+    const Tensor* offset = nullptr;         // GradEx with num_offsets 1
+    const Tensor* side_input = nullptr;     // GradEx with num_side_inputs 1
   };
 
   // Validates the inputs and allocates every output. Returns false if ctx holds an error.
@@ -117,11 +151,27 @@ class FbnGradOpBase : public OpKernel {
         fbn::ValidateBnGradInputs(Dims(dy), Dims(x), Dims(scale), Dims(ctx->input(3)),
                                   Dims(ctx->input(4)), format_, epsilon_);
     if (!CheckValid(ctx, v)) return false;
-    if (ctx->num_inputs() > 6 && Dims(ctx->input(6)) != Dims(x)) {  // GradEx's y
-      ctx->SetStatus(tensorflow::errors::InvalidArgument(
-          "y must have the shape of x ", x.shape().DebugString(), ", got ",
-          ctx->input(6).shape().DebugString()));
-      return false;
+    if (ctx->num_inputs() > 6) {  // GradEx: y, offset (list), side_input (list)
+      p->y = &ctx->input(6);
+      if (num_offsets_ == 1) p->offset = &ctx->input(7);
+      if (num_side_inputs_ == 1) p->side_input = &ctx->input(7 + num_offsets_);
+      const std::vector<int64_t> y_dims = Dims(*p->y);
+      std::vector<int64_t> offset_dims, side_dims;
+      fbn::ExInputs ex;
+      ex.backward = true;
+      ex.num_side_inputs = num_side_inputs_;
+      ex.y = &y_dims;
+      if (p->offset != nullptr) {
+        offset_dims = Dims(*p->offset);
+        ex.offset = &offset_dims;
+      }
+      if (p->side_input != nullptr) {
+        side_dims = Dims(*p->side_input);
+        ex.side_input = &side_dims;
+      }
+      if (!CheckValid(ctx, fbn::ValidateExInputs(Dims(x), v.shape, activation_, ex))) {
+        return false;
+      }
     }
     const int64_t C = v.shape.channels;
     Tensor* unused = nullptr;
@@ -129,14 +179,15 @@ class FbnGradOpBase : public OpKernel {
         !Allocate(ctx, 1, TensorShape({C}), &p->dscale) ||
         !Allocate(ctx, 2, TensorShape({C}), &p->doffset) ||
         !Allocate(ctx, 3, TensorShape({0}), &unused) ||
-        !Allocate(ctx, 4, TensorShape({0}), &unused)) {
+        !Allocate(ctx, 4, TensorShape({0}), &unused) ||
+        (num_side_inputs_ == 1 && !Allocate(ctx, 5, x.shape(), &p->side_input_backprop))) {
       return false;
     }
     p->params.shape = v.shape;
     p->params.epsilon = epsilon_;
     p->params.is_training = is_training_;
     p->params.saved_stat = training_stat;
-    p->relu = ctx->num_inputs() > 6 && activation_ == fbn::Activation::kRelu;
+    p->params.activation = p->y != nullptr ? activation_ : fbn::Activation::kIdentity;
     return true;
   }
 
@@ -152,7 +203,10 @@ class FbnGradOpBase : public OpKernel {
     a.dx = CoreData<T>(p->dx);
     a.dscale = p->dscale->flat<float>().data();
     a.doffset = p->doffset->flat<float>().data();
-    if (p->relu) a.relu_y = CoreData<T>(ctx->input(6));
+    if (p->y != nullptr) a.y = CoreData<T>(*p->y);
+    if (p->offset != nullptr) a.offset = p->offset->flat<float>().data();
+    if (p->side_input != nullptr) a.side_input = CoreData<T>(*p->side_input);
+    if (p->side_input_backprop != nullptr) a.side_input_backprop = CoreData<T>(p->side_input_backprop);
     return a;
   }
 
@@ -171,6 +225,10 @@ class FbnGradOpBase : public OpKernel {
   bool is_training_ = true;
   fbn::DataFormat format_ = fbn::DataFormat::kNHWC;
   fbn::Activation activation_ = fbn::Activation::kIdentity;
+
+ protected:
+  int num_offsets_ = 0;
+  int num_side_inputs_ = 0;
 };
 
 template <typename T>
@@ -377,6 +435,10 @@ class FbnGradGpuOp : public FbnGradOpBase {
   void Compute(OpKernelContext* ctx) override {
     Prepared p;
     if (!Prepare(ctx, fbn::SavedStat::kInvStd, &p)) return;
+    const char* unsupported = fbn::CudaUnsupportedReason(p.params.activation,
+                                                         num_side_inputs_ != 0);
+    OP_REQUIRES(ctx, unsupported == nullptr,
+                tensorflow::errors::Unimplemented(kExOpName, " on GPU: ", unsupported));
     const auto args = Args<T>(ctx, &p);
     const size_t ws_bytes = fbn::BnGradCudaWorkspaceBytes(p.params);
     LaunchOnOpStream(ctx, ws_bytes, "backward", [&](void* ws, void* stream) {

@@ -47,11 +47,24 @@ def _is_device_array(a):
         hasattr(a, "is_cuda") and getattr(a, "is_cuda", False))
 
 
+#: activation argument (lower case) -> the ops' activation_mode.
+ACTIVATION_MODES = {"identity": "Identity", "relu": "Relu", "relu6": "Relu6",
+                    "swish": "Swish", "silu": "Swish"}
+
+
 def _activation_mode(activation):
     name = "identity" if activation is None else str(activation).lower()
-    if name not in ("identity", "relu"):
-        raise ValueError('activation must be None, "identity" or "relu", got %r' % (activation,))
-    return name.capitalize()
+    if name not in ACTIVATION_MODES:
+        raise ValueError("activation must be None or one of %s, got %r"
+                         % (", ".join('"%s"' % a for a in ACTIVATION_MODES), activation))
+    return ACTIVATION_MODES[name]
+
+
+def _like_x(a, xx, name):
+    a = np.require(a, requirements="C")
+    if a.dtype != xx.dtype:
+        raise TypeError("%s must have the dtype of x (%s), got %s" % (name, xx.dtype, a.dtype))
+    return a
 
 
 def _threads(num_threads):
@@ -60,7 +73,8 @@ def _threads(num_threads):
 
 def bn_forward(x, scale, offset, mean=None, variance=None, epsilon=1e-4,
                exponential_avg_factor=1.0, data_format="NHWC", is_training=True,
-               activation=None, saved_stat="variance", num_threads=0, isa="auto"):
+               activation=None, saved_stat="variance", num_threads=0, isa="auto",
+               side_input=None):
     """Batch-norm forward of FusedBatchNormV3 on arrays.
 
     Returns ``(y, batch_mean, batch_variance, saved_mean, saved_var)``: batch_variance is
@@ -68,25 +82,29 @@ def bn_forward(x, scale, offset, mean=None, variance=None, epsilon=1e-4,
     saved_mean/saved_var are reserve_space_1/2: the batch mean and the biased batch
     variance (``saved_stat="variance"``, TF's CPU convention) or 1/sqrt(var + epsilon)
     (``"inv_std"``, cuDNN's). mean/variance (running statistics) are needed in inference
-    and when exponential_avg_factor != 1. activation: None or "relu" (fused).
+    and when exponential_avg_factor != 1.
+    side_input, activation (fused, FusedBatchNormEx): y = act(bn(x) + side_input);
+    activation None, "relu", "relu6", "swish" (= "silu"); side_input None or an array of
+    x's shape and dtype.
     """
     mode = _activation_mode(activation)
     if _is_device_array(x):
         return _bn_forward_device(x, scale, offset, mean, variance, epsilon,
                                   exponential_avg_factor, data_format, is_training, mode,
-                                  saved_stat)
+                                  saved_stat, side_input)
     xx = np.require(x, requirements="C")
     dtype = _dtype_name(xx.dtype)
     vecs = [np.require(np.zeros(0) if v is None else v, dtype=np.float32, requirements="C")
             for v in (scale, offset, mean, variance)]
-    shapes = [list(a.shape) for a in (xx, *vecs)]
+    side = None if side_input is None else _like_x(side_input, xx, "side_input")
+    shapes = [list(a.shape) for a in (xx, *vecs)] + ([] if side is None else [list(side.shape)])
     _core.validate_forward(shapes, data_format, float(epsilon), float(exponential_avg_factor),
-                           bool(is_training))
+                           bool(is_training), mode)
     channels = vecs[0].shape[0]
     y = np.empty_like(xx)
     stats = [np.empty(channels, np.float32) for _ in range(4)]
     ptrs = [a.ctypes.data if a.size else 0 for a in (xx, *vecs)] + [y.ctypes.data] + [
-        a.ctypes.data for a in stats]
+        a.ctypes.data for a in stats] + ([] if side is None else [side.ctypes.data])
     _core.bn_forward_cpu_raw(dtype, ptrs, shapes, data_format, float(epsilon),
                              float(exponential_avg_factor), bool(is_training), mode, saved_stat,
                              int(_threads(num_threads)), isa)
@@ -94,7 +112,7 @@ def bn_forward(x, scale, offset, mean=None, variance=None, epsilon=1e-4,
 
 
 def _bn_forward_device(x, scale, offset, mean, variance, epsilon, factor, data_format,
-                       is_training, mode, saved_stat):
+                       is_training, mode, saved_stat, side_input=None):
     if not with_cuda:
         raise RuntimeError("fbn_grad_tf._core was built without CUDA; rebuild with nvcc "
                            "available (FBN_GRAD_TF_CUDA=1)")
@@ -104,7 +122,14 @@ def _bn_forward_device(x, scale, offset, mean, variance, epsilon, factor, data_f
             for v in (scale, offset, mean, variance)]
     dtype = _dtype_name(lib.dtype(x))
     shapes = [list(lib.shape(x))] + [[0] if v is None else list(lib.shape(v)) for v in vecs]
-    _core.validate_forward(shapes, data_format, float(epsilon), float(factor), bool(is_training))
+    side = None
+    if side_input is not None:
+        side = lib.contiguous(side_input)
+        if _dtype_name(lib.dtype(side)) != dtype:
+            raise TypeError("side_input must have the dtype of x")
+        shapes.append(list(lib.shape(side)))
+    _core.validate_forward(shapes, data_format, float(epsilon), float(factor), bool(is_training),
+                           mode)
     channels = shapes[1][0]
     y = lib.empty_like(x)
     stats = [lib.empty_f32(x, channels) for _ in range(4)]
@@ -112,7 +137,7 @@ def _bn_forward_device(x, scale, offset, mean, variance, epsilon, factor, data_f
                                                   float(factor), bool(is_training))
     ws = lib.empty_bytes(x, max(ws_bytes, 1))
     ptrs = ([lib.ptr(x)] + [0 if v is None else lib.ptr(v) for v in vecs] + [lib.ptr(y)]
-            + [lib.ptr(a) for a in stats])
+            + [lib.ptr(a) for a in stats] + ([] if side is None else [lib.ptr(side)]))
     _core.bn_forward_cuda_raw(dtype, ptrs, shapes, data_format, float(epsilon), float(factor),
                               bool(is_training), mode, saved_stat, lib.ptr(ws), ws_bytes,
                               lib.stream(x))
@@ -121,21 +146,34 @@ def _bn_forward_device(x, scale, offset, mean, variance, epsilon, factor, data_f
 
 def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4,
             data_format="NHWC", is_training=True, saved_stat="variance", num_threads=0,
-            isa="auto", relu_y=None):
+            isa="auto", relu_y=None, activation=None, y=None, offset=None, side_input=None,
+            side_input_backprop=False):
     """Batch-norm backward of FusedBatchNormGradV3 on arrays.
 
-    Returns ``(x_backprop, scale_backprop, offset_backprop)``.
+    Returns ``(x_backprop, scale_backprop, offset_backprop)``, plus ``side_input_backprop``
+    when side_input_backprop=True.
 
-    relu_y: the output y of a forward with a fused ReLU (bn_forward(activation="relu")):
-    y_backprop is then masked with relu_y > 0 inside the kernel.
+    The backward of a fused forward (bn_forward(activation=..., side_input=...),
+    FusedBatchNormGradEx): activation None, "relu", "relu6", "swish"/"silu"; y (the forward's
+    output) is required by relu/relu6; offset (and side_input, if the forward had one) by
+    swish, which recomputes z = bn(x) + side_input. side_input_backprop=True also returns
+    dz = y_backprop * act'(z), the gradient of the side input. relu_y=... is the older
+    spelling of activation="relu", y=relu_y.
 
     saved_stat: what ``reserve_space_2`` holds in training mode: ``"variance"`` (TF's CPU
     forward) or ``"inv_std"`` (TF's GPU forward: 1/sqrt(var + epsilon)).
     num_threads: CPU threads (0 = all cores). isa: CPU path (auto, baseline, avx2, avx512, avx512bf16).
     """
+    if relu_y is not None:
+        if activation is not None or y is not None:
+            raise ValueError("relu_y cannot be combined with activation= or y=")
+        activation, y = "relu", relu_y
+    mode = _activation_mode(activation)
+    fused = mode != "Identity" or side_input is not None or side_input_backprop or y is not None
     if _is_device_array(x):
         return _bn_grad_device(y_backprop, x, scale, reserve_space_1, reserve_space_2,
-                               epsilon, data_format, is_training, saved_stat, relu_y)
+                               epsilon, data_format, is_training, saved_stat, mode, fused, y,
+                               offset, side_input, side_input_backprop)
     # np.require keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d and hide a
     # rank error behind a shape of [1]).
     dy = np.require(y_backprop, requirements="C")
@@ -147,27 +185,38 @@ def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4
         raise TypeError("y_backprop and x must have the same dtype, got %s and %s"
                         % (dy.dtype, xx.dtype))
     shapes = [list(a.shape) for a in (dy, xx, *vecs)]
-    _core.validate(shapes, data_format, float(epsilon))
+    present = []
+    extra = []
+    if fused:
+        ex = [None if y is None else _like_x(y, xx, "y"),
+              None if offset is None else np.require(offset, dtype=np.float32,
+                                                     requirements="C"),
+              None if side_input is None else _like_x(side_input, xx, "side_input")]
+        present = [a is not None for a in ex] + [bool(side_input_backprop)]
+        shapes += [[0] if a is None else list(a.shape) for a in ex]
+        extra = ex
+    _core.validate(shapes[:5], data_format, float(epsilon))
     dx = np.empty_like(xx)
     channels = vecs[0].shape[0]
     dscale = np.empty(channels, np.float32)
     doffset = np.empty(channels, np.float32)
+    dside = np.empty_like(xx) if side_input_backprop else None
     if num_threads <= 0:
         num_threads = os.cpu_count() or 1
     ptrs = [a.ctypes.data for a in (dy, xx, *vecs, dx, dscale, doffset)]
-    if relu_y is not None:
-        ry = np.require(relu_y, requirements="C")
-        if ry.shape != xx.shape or ry.dtype != xx.dtype:
-            raise ValueError("relu_y must have the shape and dtype of x, got %s %s and %s %s"
-                             % (ry.shape, ry.dtype, xx.shape, xx.dtype))
-        ptrs.append(ry.ctypes.data)
+    if fused:
+        ptrs += [0 if a is None else a.ctypes.data for a in extra]
+        ptrs.append(0 if dside is None else dside.ctypes.data)
     _core.bn_grad_cpu_raw(dtype, ptrs, shapes, data_format, float(epsilon), bool(is_training),
-                          saved_stat, int(num_threads), isa)
+                          saved_stat, int(num_threads), isa, mode, present)
+    if side_input_backprop:
+        return dx, dscale, doffset, dside
     return dx, dscale, doffset
 
 
 def _bn_grad_device(dy, x, scale, rs1, rs2, epsilon, data_format, is_training, saved_stat,
-                    relu_y=None):
+                    mode="Identity", fused=False, y=None, offset=None, side_input=None,
+                    side_input_backprop=False):
     if not with_cuda:
         raise RuntimeError("fbn_grad_tf._core was built without CUDA; rebuild with nvcc "
                            "available (FBN_GRAD_TF_CUDA=1)")
@@ -186,13 +235,23 @@ def _bn_grad_device(dy, x, scale, rs1, rs2, epsilon, data_format, is_training, s
     ws_bytes = _core.cuda_workspace_bytes(shapes, data_format, float(epsilon))
     ws = lib.empty_bytes(x, max(ws_bytes, 1))
     ptrs = [lib.ptr(a) for a in (dy, x, *vecs, dx, dscale, doffset)]
-    if relu_y is not None:
-        ry = lib.contiguous(relu_y)
-        if list(lib.shape(ry)) != shapes[1] or _dtype_name(lib.dtype(ry)) != dtype:
-            raise ValueError("relu_y must have the shape and dtype of x")
-        ptrs.append(lib.ptr(ry))
+    present = []
+    dside = lib.empty_like(x) if side_input_backprop else None
+    if fused:
+        ex = [None if y is None else lib.contiguous(y),
+              None if offset is None else lib.contiguous(lib.as_float32(offset)),
+              None if side_input is None else lib.contiguous(side_input)]
+        for a, name in ((ex[0], "y"), (ex[2], "side_input")):
+            if a is not None and _dtype_name(lib.dtype(a)) != dtype:
+                raise TypeError("%s must have the dtype of x" % name)
+        present = [a is not None for a in ex] + [bool(side_input_backprop)]
+        shapes = shapes + [[0] if a is None else list(lib.shape(a)) for a in ex]
+        ptrs += [0 if a is None else lib.ptr(a) for a in ex]
+        ptrs.append(0 if dside is None else lib.ptr(dside))
     _core.bn_grad_cuda_raw(dtype, ptrs, shapes, data_format, float(epsilon), bool(is_training),
-                           saved_stat, lib.ptr(ws), ws_bytes, lib.stream(x))
+                           saved_stat, lib.ptr(ws), ws_bytes, lib.stream(x), mode, present)
+    if side_input_backprop:
+        return dx, dscale, doffset, dside
     return dx, dscale, doffset
 
 

@@ -495,7 +495,15 @@ int BnGradCuda(const BnGradParams& params, const BnGradArgs<T>& args, void* work
   kp.inv_m = static_cast<float>(1.0 / static_cast<double>(shape.per_channel()));
   kp.inv_std = params.saved_stat == SavedStat::kInvStd ? 1 : 0;
   kp.training = params.is_training ? 1 : 0;
-  kp.relu_y = args.relu_y;  // nullptr: the kernels without the ReLU mask (as before)
+  // nullptr: the kernels without the ReLU mask. Relu6, Swish and side inputs are not
+  // implemented on CUDA yet: refused here and, with a clear message, by the bindings
+  // (CudaUnsupportedReason, common.h).
+  if (CudaUnsupportedReason(params.activation, args.side_input != nullptr ||
+                                                   args.side_input_backprop != nullptr) !=
+      nullptr) {
+    return static_cast<int>(cudaErrorNotSupported);
+  }
+  kp.relu_y = params.activation == Activation::kRelu ? args.y : nullptr;
 
   // Vector width: the largest power of two (up to 16 bytes) dividing the contiguous run
   // of a thread's elements (C for channels-last, inner for channels-first). It depends on
@@ -503,7 +511,7 @@ int BnGradCuda(const BnGradParams& params, const BnGradArgs<T>& args, void* work
   const int vec = VecWidth<T>(plan.channels_last ? C : shape.inner);
   const size_t vbytes = sizeof(T) * static_cast<size_t>(vec);
   kp.aligned = (Aligned(args.dy, vbytes) && Aligned(args.x, vbytes) && Aligned(args.dx, vbytes) &&
-                (args.relu_y == nullptr || Aligned(args.relu_y, vbytes)))
+                (kp.relu_y == nullptr || Aligned(kp.relu_y, vbytes)))
                    ? 1
                    : 0;
 

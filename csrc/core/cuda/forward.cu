@@ -594,6 +594,11 @@ int BnForwardCuda(const BnForwardParams& params, const BnForwardArgs<T>& args, v
   if (shape.channels < 0 || shape.outer < 0 || shape.inner < 0) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
+  // Relu6, Swish and side inputs: not implemented on CUDA yet (the bindings refuse them
+  // with CudaUnsupportedReason's message before launching).
+  if (CudaUnsupportedReason(params.activation, args.side_input != nullptr) != nullptr) {
+    return static_cast<int>(cudaErrorNotSupported);
+  }
   const int64_t C = shape.channels;
   if (C == 0) return static_cast<int>(cudaSuccess);
   const bool empty = shape.elements() == 0;

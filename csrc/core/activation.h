@@ -1,0 +1,79 @@
+// The fused activations of the forward (y = act(bn(x) [+ side_input])) and their
+// derivatives in the backward, written once for the CPU kernels (every ISA path) and the
+// CUDA kernels. Float arithmetic only; the mode is a template parameter of the kernels
+// (ActivationOp<kAct>), never a runtime branch per element.
+//
+//   Identity  act(z) = z                      dz = dy
+//   Relu      act(z) = max(z, 0)              dz = y > 0 ? dy : 0          (from y)
+//   Relu6     act(z) = min(max(z, 0), 6)      dz = 0 < y < 6 ? dy : 0      (from y)
+//   Swish     act(z) = z * sigmoid(z) (SiLU)  dz = dy * s * (1 + z * (1 - s)), s = sigmoid(z)
+//                                             (z recomputed from x, the statistics, scale,
+//                                             offset and the side input)
+// NaN: act(NaN) = NaN in every mode. The Relu/Relu6 masks are selects, as TF's ReluGrad
+// and Relu6Grad: where the mask is false dz is 0 whatever dy is (inf, NaN), and a NaN y
+// gives dz = 0. Swish's derivative is arithmetic: NaN in z or dy gives NaN. Relu6's
+// boundaries follow TF's Relu6Grad on the output (0 < y < 6): at y == 0 and y == 6 no
+// gradient flows.
+#ifndef FBN_GRAD_TF_CORE_ACTIVATION_H_
+#define FBN_GRAD_TF_CORE_ACTIVATION_H_
+
+#include <cmath>
+
+#include "common.h"
+
+#if defined(__CUDACC__)
+#define FBN_HD __host__ __device__ __forceinline__
+#else
+#define FBN_HD inline
+#endif
+
+namespace fbn {
+
+template <Activation kAct>
+struct ActivationOp;
+
+template <>
+struct ActivationOp<Activation::kIdentity> {
+  static constexpr bool kNeedsY = false;  // the backward reads the forward's y
+  static constexpr bool kNeedsZ = false;  // the backward recomputes z = bn(x) + side
+  static FBN_HD float Forward(float z) { return z; }
+};
+
+template <>
+struct ActivationOp<Activation::kRelu> {
+  static constexpr bool kNeedsY = true;
+  static constexpr bool kNeedsZ = false;
+  static FBN_HD float Forward(float z) { return z < 0.0f ? 0.0f : z; }  // NaN stays NaN
+  static FBN_HD bool Passes(float y) { return y > 0.0f; }
+};
+
+template <>
+struct ActivationOp<Activation::kRelu6> {
+  static constexpr bool kNeedsY = true;
+  static constexpr bool kNeedsZ = false;
+  static FBN_HD float Forward(float z) { return z < 0.0f ? 0.0f : (z > 6.0f ? 6.0f : z); }
+  static FBN_HD bool Passes(float y) { return y > 0.0f && y < 6.0f; }
+};
+
+template <>
+struct ActivationOp<Activation::kSwish> {
+  static constexpr bool kNeedsY = false;
+  static constexpr bool kNeedsZ = true;
+  static FBN_HD float Sigmoid(float z) {
+#if defined(__CUDA_ARCH__)
+    return 1.0f / (1.0f + expf(-z));
+#else
+    return 1.0f / (1.0f + std::exp(-z));
+#endif
+  }
+  static FBN_HD float Forward(float z) { return z * Sigmoid(z); }
+  // d act / dz, in the form of TF's swish gradient: s * (1 + z * (1 - s)).
+  static FBN_HD float Derivative(float z) {
+    const float s = Sigmoid(z);
+    return s * (1.0f + z * (1.0f - s));
+  }
+};
+
+}  // namespace fbn
+
+#endif  // FBN_GRAD_TF_CORE_ACTIVATION_H_
