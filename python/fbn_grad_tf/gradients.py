@@ -16,10 +16,12 @@ Importing this module (``import fbn_grad_tf`` does) registers:
   ``fbn_grad_tf.use_for_gradients()`` routes those ops to (see nn.py).
   "FbnGrad>FusedBatchNormV3" is also the op type of *our* forward op, which has TF's
   signature and reserve-space conventions, so the same function is its gradient.
-* ``"FbnGrad>FusedBatchNormEx"`` (our forward with a fused activation): its gradient is
-  ``"FbnGrad>FusedBatchNormGradEx"``, which masks y_backprop with y > 0 inside the kernel;
-  and the gradient of that op (double backprop), like ``"FbnGrad>FusedBatchNormGradV3"``'s
-  with the masked y_backprop.
+* ``"FbnGrad>FusedBatchNormEx"`` (our forward with a side input and/or a fused activation:
+  Relu, Relu6, Swish): its gradient is ``"FbnGrad>FusedBatchNormGradEx"``, which applies
+  the activation's derivative inside the kernel and returns the side input's gradient; and
+  the gradient of that op (double backprop), like ``"FbnGrad>FusedBatchNormGradV3"``'s on
+  dz = y_backprop * act'(z) (Swish: z recomputed with plain TF ops, so its second-order
+  terms in x, scale, offset and the side input are included).
 
 Our op has no XLA kernel: when a gradient is built inside an XLA compilation context
 (``tf.function(jit_compile=True)``), these functions fall back to TF's own gradient op, with a
@@ -141,40 +143,107 @@ def _zeros_if_none(g, like):
 @tf.RegisterGradient(REGISTERED_OP_NAME)
 def _fbn_grad_grad(op, *grads):
     """Gradient of our op (double backprop), like TF's _FusedBatchNormGradGradV3."""
-    return _grad_grad(op, grads, relu=False)
+    return _grad_grad(op, grads)
 
 
-def _grad_grad(op, grads, relu):
+def _broadcast_shape(data_format):
+    rank = 5 if data_format in _FORMATS_5D else 4
+    return [1, -1] + [1] * (rank - 2) if data_format in _CHANNELS_FIRST else [-1]
+
+
+def z_reference(x, scale, offset, pop_mean, pop_var, side_input, epsilon, data_format,
+                is_training):
+    """z = batch_norm(x) + side_input in float32 with plain TF ops (differentiable in x,
+    scale, offset, side_input): in training with the batch statistics of x, in inference
+    with pop_mean/pop_var."""
+    data_format = _as_str(data_format)
+    xf = tf.cast(x, tf.float32)
+    rank = 5 if data_format in _FORMATS_5D else 4
+    axes = ([0] + list(range(2, rank)) if data_format in _CHANNELS_FIRST
+            else list(range(rank - 1)))
+    bshape = _broadcast_shape(data_format)
+    if is_training:
+        mean, var = tf.nn.moments(xf, axes, keepdims=True)
+    else:
+        mean, var = tf.reshape(pop_mean, bshape), tf.reshape(pop_var, bshape)
+    z = ((xf - mean) * tf.math.rsqrt(var + epsilon) * tf.reshape(scale, bshape)
+         + tf.reshape(offset, bshape))
+    if side_input is not None:
+        z = z + tf.cast(side_input, tf.float32)
+    return z
+
+
+def activation_backprop_reference(dy, mode, y=None, z=None):
+    """dz = dy * act'(z) with plain TF ops, as our kernels compute it: Relu/Relu6 as selects
+    on y (y gets no gradient), Swish from z (float32) as s * (1 + z * (1 - s))."""
+    mode = _as_str(mode)
+    if mode == "Relu":
+        return tf.where(y > 0, dy, tf.zeros_like(dy))
+    if mode == "Relu6":
+        return tf.where(tf.logical_and(y > 0, y < 6), dy, tf.zeros_like(dy))
+    if mode == "Swish":
+        s = tf.sigmoid(z)
+        return tf.cast(tf.cast(dy, tf.float32) * (s * (1.0 + z * (1.0 - s))), dy.dtype)
+    return dy
+
+
+def _grad_grad(op, grads):
+    """Double backprop of FbnGrad>FusedBatchNormGradV3 / ...GradEx: the first-order gradient
+    recomputed with plain TF ops (activation_backprop_reference, then
+    batch_norm_grad_reference) under a GradientTape, and differentiated."""
     data_format = op.get_attr("data_format")
     epsilon = op.get_attr("epsilon")
     is_training = op.get_attr("is_training")
     dy, x, scale, pop_mean, pop_var = op.inputs[:5]
-    upstream = [_zeros_if_none(grads[i], op.outputs[i]) for i in range(3)]
+    ex = op.type == GRAD_EX_OP_NAME
+    mode = _as_str(op.get_attr("activation_mode")) if ex else "Identity"
+    num_offsets = op.get_attr("num_offsets") if ex else 0
+    num_side = op.get_attr("num_side_inputs") if ex else 0
+    offset = op.inputs[7] if num_offsets else None
+    side = op.inputs[7 + num_offsets] if num_side else None
+    n_out = 3 + num_side
+    out_index = [0, 1, 2] + ([5] if num_side else [])
+    upstream = [_zeros_if_none(grads[i], op.outputs[i]) for i in out_index]
+    watched = [dy, x, scale]
+    swish = mode == "Swish"
+    if swish:
+        watched += [offset] + ([side] if side is not None else [])
     with tf.GradientTape() as tape:
-        tape.watch([dy, x, scale])
-        # The ReLU mask is piecewise constant in y: it gates dy, and y gets no gradient.
-        dy_eff = tf.where(op.inputs[6] > 0, dy, tf.zeros_like(dy)) if relu else dy
-        gx, gscale, goffset = batch_norm_grad_reference(dy_eff, x, scale, pop_mean, pop_var,
+        tape.watch(watched)
+        z = (z_reference(x, scale, offset, pop_mean, pop_var, side, epsilon, data_format,
+                         is_training) if swish else None)
+        dz = activation_backprop_reference(dy, mode, y=op.inputs[6] if ex else None, z=z)
+        gx, gscale, goffset = batch_norm_grad_reference(dz, x, scale, pop_mean, pop_var,
                                                         epsilon, data_format, is_training)
-    gdy, gx2, gscale2 = tape.gradient([gx, gscale, goffset], [dy, x, scale],
-                                      output_gradients=upstream)
-    return (gdy, gx2, gscale2, None, None, None) + ((None,) if op.type == GRAD_EX_OP_NAME else ())
+        outs = [gx, gscale, goffset] + ([dz] if num_side else [])
+    got = tape.gradient(outs[:n_out], watched, output_gradients=upstream[:n_out])
+    result = [got[0], got[1], got[2], None, None, None]
+    if ex:
+        result.append(None)  # y: piecewise-constant masks; Swish does not read it
+        if num_offsets:
+            result.append(got[3] if swish else None)
+        if num_side:
+            result.append(got[4] if swish and side is not None else None)
+    return tuple(result)
 
 
 @tf.RegisterGradient(GRAD_EX_OP_NAME)
 def _fbn_grad_ex_grad(op, *grads):
     """Gradient of FbnGrad>FusedBatchNormGradEx (double backprop)."""
-    return _grad_grad(op, grads, relu=_as_str(op.get_attr("activation_mode")) == "Relu")
+    return _grad_grad(op, grads)
 
 
 @tf.RegisterGradient(FORWARD_EX_OP_NAME)
 def _fbn_forward_ex_grad(op, *grads):
-    """Gradient of our fused forward+activation: FbnGrad>FusedBatchNormGradEx."""
+    """Gradient of our fused forward (side input, activation): FbnGrad>FusedBatchNormGradEx,
+    which also returns the side input's gradient."""
     epsilon = op.get_attr("epsilon")
     data_format = _as_str(op.get_attr("data_format"))
     is_training = op.get_attr("is_training")
     mode = _as_str(op.get_attr("activation_mode"))
-    x, scale = op.inputs[0], op.inputs[1]
+    num_side = op.get_attr("num_side_inputs")
+    x, scale, offset = op.inputs[0], op.inputs[1], op.inputs[2]
+    side = op.inputs[5] if num_side else None
     y = op.outputs[0]
     dy = _zeros_if_none(grads[0], y)
     if is_training:
@@ -183,16 +252,19 @@ def _fbn_forward_ex_grad(op, *grads):
         rs1, rs2 = op.inputs[3], op.inputs[4]
     if in_xla_context():  # not reached in practice: the forward itself has no XLA kernel
         warn_xla_fallback("the gradient of " + FORWARD_EX_OP_NAME)
-        if mode == "Relu":
-            dy = tf.where(y > 0, dy, tf.zeros_like(dy))
-        dx, dscale, doffset = _tf_builtin_backward(dy, x, scale, rs1, rs2, op.outputs[5],
+        z = (z_reference(x, scale, offset, op.inputs[3], op.inputs[4], side, epsilon,
+                         data_format, is_training) if mode == "Swish" else None)
+        dz = activation_backprop_reference(dy, mode, y=y, z=z)
+        dx, dscale, doffset = _tf_builtin_backward(dz, x, scale, rs1, rs2, op.outputs[5],
                                                    epsilon, data_format, is_training)
+        dside = [dz] if num_side else []
     else:
-        dx, dscale, doffset, _, _ = raw_grad_ex_op(
+        dx, dscale, doffset, _, _, dside = raw_grad_ex_op(
             y_backprop=dy, x=x, scale=scale, reserve_space_1=rs1, reserve_space_2=rs2,
-            reserve_space_3=op.outputs[5], y=y, epsilon=epsilon, data_format=data_format,
-            is_training=is_training, activation_mode=mode)
-    return dx, dscale, doffset, None, None
+            reserve_space_3=op.outputs[5], y=y, offset=[offset],
+            side_input=[] if side is None else [side], epsilon=epsilon,
+            data_format=data_format, is_training=is_training, activation_mode=mode)
+    return (dx, dscale, doffset, None, None) + tuple(dside)
 
 
 # ---- gradients of TF's forward ops, computed by our op ---------------------------------------

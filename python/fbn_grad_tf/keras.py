@@ -77,22 +77,27 @@ def fused_data_format(layer, input_shape, dtype=None, mask=None):
 
 
 def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_grad_tf",
-              gradient_op="fbn_grad_tf"):
+              gradient_op="fbn_grad_tf", side_input=None):
     """The call of a built Keras BatchNormalization `layer` (ours, or Keras' own under
-    override()) on fbn_grad_tf's ops, with Keras' semantics; then `activation`."""
+    override()) on fbn_grad_tf's ops, with Keras' semantics; then `side_input` is added
+    and `activation` applied (fused into our op where it runs)."""
     if layer.synchronized:
         from . import sync as _sync
         if _sync.layer_uses_sync_path(layer, inputs, training, mask):
             y = _sync.sync_layer_call(layer, inputs)
         else:
             y = _KERAS_CALL(layer, inputs, training=training, mask=mask)
-        return apply_activation(y, activation)
+        return apply_activation(y, activation, side_input)
     data_format = fused_data_format(layer, tuple(inputs.shape), inputs.dtype, mask)
     if data_format is None:
         y = _KERAS_CALL(layer, inputs, training=training, mask=mask)
-        return apply_activation(y, activation)
+        return apply_activation(y, activation, side_input)
 
     x = tf.convert_to_tensor(inputs)
+    if side_input is not None:
+        side_input = tf.convert_to_tensor(side_input)
+        if side_input.dtype != x.dtype:
+            side_input = tf.cast(side_input, x.dtype)
     channels = layer.moving_mean.shape[0]
     gamma = (tf.cast(tf.convert_to_tensor(layer.gamma), tf.float32) if layer.scale
              else tf.ones([channels], tf.float32))
@@ -105,6 +110,7 @@ def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_gr
     tf_grad = xla or gradient_op == "tensorflow"
     forward = "tf" if forward_op == "tensorflow" else "ours"
     act_after = activation if tf_grad else None  # else fused (or nn.py applies it)
+    side_after = side_input if tf_grad else None
 
     if training and layer.trainable:
         empty = tf.constant([], tf.float32)
@@ -118,7 +124,7 @@ def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_gr
                 x, gamma, beta, empty, empty, BatchNormParams(
                     epsilon=layer.epsilon, exponential_avg_factor=1.0,
                     data_format=data_format, is_training=True, forward=forward,
-                    activation=activation))
+                    activation=activation, side_input=side_input))
         # Keras 3 averages the *biased* batch variance; output 2 is var * M / max(M-1, 1).
         m = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)
         batch_var = tf.where(m > 1.0, batch_var * ((m - 1.0) / m), batch_var)
@@ -144,8 +150,9 @@ def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_gr
             # False)) then holds only TF's ops and loads without fbn_grad_tf.
             y = _fused_batch_norm_v3(x, gamma, beta, moving_mean, moving_var, BatchNormParams(
                 epsilon=layer.epsilon, exponential_avg_factor=1.0, data_format=data_format,
-                is_training=False, forward="tf", activation=activation))[0]
-    y = apply_activation(y, act_after)
+                is_training=False, forward="tf", activation=activation,
+                side_input=side_input))[0]
+    y = apply_activation(y, act_after, side_after)
     if y.dtype != layer.compute_dtype:
         y = tf.cast(y, layer.compute_dtype)
     return y
@@ -158,7 +165,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
     Arguments are those of ``keras.layers.BatchNormalization``. ``synchronized=True`` computes
     the statistics and the backward across the replicas of the active tf.distribute strategy
     (fbn_grad_tf.sync, docs/SYNC.md). ``activation``: None or one of
-    ``fbn_grad_tf.nn.FUSED_ACTIVATIONS`` (today "relu"), applied in the same pass.
+    ``fbn_grad_tf.nn.FUSED_ACTIVATIONS`` ("relu", "relu6", "swish"; "silu" = "swish"),
+    applied in the same pass; ``call(x, side_input=r)`` adds r first: act(bn(x) + r).
     """
 
     def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,
@@ -224,9 +232,12 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     # -- call ------------------------------------------------------------------------------
 
-    def call(self, inputs, training=None, mask=None):
+    def call(self, inputs, training=None, mask=None, side_input=None):
+        """``side_input``: None or a tensor of the input's shape, added before the
+        activation: act(bn(inputs) + side_input), one fused op (a residual connection;
+        what ``convert`` builds from BN -> Add -> activation)."""
         return _fbn_call(self, inputs, training, mask, self.activation, self._forward_op,
-                         self._gradient_op)
+                         self._gradient_op, side_input=side_input)
 
 
 # ---- override() ----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ Two entry points:
 ``fused_batch_norm(x, scale, offset, ...)``
     Drop-in for ``tf.compat.v1.nn.fused_batch_norm``: the same outputs
     ``(y, running_mean, running_var)``, with our forward op ("FbnGrad>FusedBatchNormV3", or
-    "FbnGrad>FusedBatchNormEx" with a fused ReLU) and our backward; ``forward="tf"`` keeps
+    "FbnGrad>FusedBatchNormEx" with a side input and/or a fused activation) and our backward; ``forward="tf"`` keeps
     TF's FusedBatchNormV3 forward (then the gradient is a ``tf.custom_gradient``). Works eagerly, in tf.function, under GradientTape and
     under ``tf.compat.v1.gradients`` in TF1 graphs; second derivatives work too (our op's own
     gradient is registered in gradients.py).
@@ -35,15 +35,17 @@ FORWARDS = ("ours", "tf")
 #: list everything asks: fused_batch_norm, fbn_grad_tf.keras.BatchNormalization(activation=),
 #: fbn_grad_tf.keras.convert's fusion). Each maps to the op's ``activation_mode`` attribute.
 #: An activation joins when the C++ ops (forward and backward) implement it: add its mode
-#: here and its TF function to _ACTIVATION_FUNCTIONS.
-FUSED_ACTIVATIONS = ("relu",)
-_ACTIVATION_MODES = {"relu": "Relu"}
+#: here and its TF function to _ACTIVATION_FUNCTIONS. "silu" is accepted as a synonym of
+#: "swish" (the same function, z * sigmoid(z)).
+FUSED_ACTIVATIONS = ("relu", "relu6", "swish")
+_ACTIVATION_MODES = {"relu": "Relu", "relu6": "Relu6", "swish": "Swish"}
+_ACTIVATION_ALIASES = {"silu": "swish"}
 #: The plain-TF function of each fused activation (fallback paths: TF's forward, XLA, Keras'
 #: own implementation for shapes the fused op does not take).
-_ACTIVATION_FUNCTIONS = {"relu": tf.nn.relu}
+_ACTIVATION_FUNCTIONS = {"relu": tf.nn.relu, "relu6": tf.nn.relu6, "swish": tf.nn.silu}
 #: Activations our ops can apply after adding a side input (y = act(bn(x) + side_input), a
-#: residual connection). None yet.
-FUSED_SIDE_INPUT_ACTIVATIONS = ()
+#: residual connection); a side input without activation works too.
+FUSED_SIDE_INPUT_ACTIVATIONS = ("relu", "relu6", "swish")
 
 ACTIVATIONS = (None,) + FUSED_ACTIVATIONS
 
@@ -56,6 +58,7 @@ def check_forward_and_activation(forward, activation):
         activation = activation.lower()
         if activation in ("identity", "linear", "none"):
             activation = None
+        activation = _ACTIVATION_ALIASES.get(activation, activation)
     if activation is not None and activation not in FUSED_ACTIVATIONS:
         raise ValueError("activation must be None or one of %s (the activations the fused "
                          "op supports), got %r"
@@ -63,8 +66,11 @@ def check_forward_and_activation(forward, activation):
     return activation
 
 
-def apply_activation(y, activation):
-    """`activation` (None or one of FUSED_ACTIVATIONS) applied with plain TF ops."""
+def apply_activation(y, activation, side_input=None):
+    """`activation` (None or one of FUSED_ACTIVATIONS) applied with plain TF ops, after
+    adding `side_input` (if any): act(y + side_input)."""
+    if side_input is not None:
+        y = y + tf.cast(side_input, y.dtype)
     return y if activation is None else _ACTIVATION_FUNCTIONS[activation](y)
 
 
@@ -72,9 +78,9 @@ def apply_activation(y, activation):
 class BatchNormParams:
     """The attributes of one fused batch-norm call, carried as one record from the public
     entry points (fused_batch_norm, the Keras layer) down to the op builders, like the C++
-    core's params struct. The tensors (x, scale, offset, mean, variance) stay positional, as
-    the op's inputs; new attributes (activation modes, a side input's presence) are new
-    fields here, not new arguments of every helper.
+    core's params struct. The tensors x, scale, offset, mean, variance stay positional, as
+    the op's inputs; what the fused op adds (activation mode, side input) are fields here,
+    not new arguments of every helper.
 
     epsilon, exponential_avg_factor, data_format, is_training: the op attributes.
     activation: None or one of FUSED_ACTIVATIONS (validated by the entry points).
@@ -82,6 +88,7 @@ class BatchNormParams:
       custom gradient calling our backward).
     name: the op name, or None.
     return_reserve: also return reserve_space_1/2 (gradient-stopped).
+    side_input: None or a tensor of x's shape and dtype: y = act(bn(x) + side_input).
     """
     epsilon: float
     exponential_avg_factor: float
@@ -91,6 +98,7 @@ class BatchNormParams:
     return_reserve: bool = False
     forward: str = "ours"
     activation: object = None
+    side_input: object = None
 
     def op_attrs(self):
         """The keyword attributes of FusedBatchNormV3 and of our forward ops."""
@@ -115,7 +123,7 @@ def our_forward_available():
 
 def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
                      data_format="NHWC", is_training=True, exponential_avg_factor=1.0,
-                     name=None, activation=None, forward="ours"):
+                     name=None, activation=None, forward="ours", side_input=None):
     """Batch normalization with fbn_grad_tf's forward and backward.
 
     Same arguments, checks and results as ``tf.compat.v1.nn.fused_batch_norm`` of the pinned
@@ -137,11 +145,15 @@ def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
     compiled, so TF's forward and built-in gradient are used instead (one-time
     RuntimeWarning).
 
-    activation: None, or "relu" for y = relu(batch_norm(x)) in the same pass (its backward
-    masks y_backprop with y > 0 inside our backward kernel: no extra pass, no extra tensor).
+    activation: None, "relu", "relu6" or "swish" (= "silu") for y = act(batch_norm(x)) in the
+    same pass; side_input: None or a tensor of x's shape and dtype, added before the
+    activation: y = act(batch_norm(x) + side_input) (a residual connection; its gradient is
+    the activation's). The backward computes the activation's derivative inside our backward
+    kernel (Relu/Relu6 from y, Swish from z recomputed from x): no extra pass, no extra
+    tensor.
     forward: "ours" (default; our "FbnGrad>FusedBatchNormV3" op where it can run, see
-    our_forward_available(), else TF's) or "tf" (TF's FusedBatchNormV3, then tf.nn.relu
-    for activation="relu"). Both give the same results up to float rounding, and their
+    our_forward_available(), else TF's) or "tf" (TF's FusedBatchNormV3, then the side input
+    and the activation with TF ops). Both give the same results up to float rounding, and their
     outputs can be mixed with either backward.
 
     Returns:
@@ -167,17 +179,26 @@ def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
     offset = tf.convert_to_tensor(offset, name="offset")
     mean = tf.constant([]) if mean is None else tf.convert_to_tensor(mean)
     variance = tf.constant([]) if variance is None else tf.convert_to_tensor(variance)
+    if side_input is not None:
+        side_input = tf.convert_to_tensor(side_input, name="side_input")
+        if side_input.dtype != x.dtype:
+            raise TypeError("side_input must have the dtype of x (%s), got %s"
+                            % (x.dtype.name, side_input.dtype.name))
+        if (side_input.shape.rank is not None and x.shape.rank is not None
+                and not side_input.shape.is_compatible_with(x.shape)):
+            raise ValueError("side_input must have the shape of x %s, got shape %s"
+                             % (x.shape, side_input.shape))
     params = BatchNormParams(
         epsilon=epsilon, exponential_avg_factor=exponential_avg_factor,
         data_format=data_format, is_training=is_training, name=name, forward=forward,
-        activation=activation)
+        activation=activation, side_input=side_input)
     if _grads.in_xla_context():
         # TF's forward op has an XLA kernel and its registered gradient too; ours do not.
         _grads.warn_xla_fallback("fbn_grad_tf.fused_batch_norm")
         y, running_mean, running_var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
             x=x, scale=scale, offset=offset, mean=mean, variance=variance,
             **params.op_attrs())
-        return apply_activation(y, activation), running_mean, running_var
+        return apply_activation(y, activation, side_input), running_mean, running_var
     return _fused_batch_norm_v3(x, scale, offset, mean, variance, params)
 
 
@@ -185,9 +206,10 @@ def _our_forward(x, scale, offset, mean, variance, params):
     """Our forward op; its gradient is registered by op type (gradients.py)."""
     kw = dict(x=x, scale=scale, offset=offset, mean=mean, variance=variance,
               **params.op_attrs())
-    if params.activation is not None:
-        return _loader.raw_forward_ex_op(
-            activation_mode=_ACTIVATION_MODES[params.activation], **kw)
+    if params.activation is not None or params.side_input is not None:
+        side = [] if params.side_input is None else [params.side_input]
+        mode = "Identity" if params.activation is None else _ACTIVATION_MODES[params.activation]
+        return _loader.raw_forward_ex_op(side_input=side, activation_mode=mode, **kw)
     return _loader.raw_forward_op(**kw)
 
 
@@ -205,7 +227,8 @@ def _fused_batch_norm_v3(x, scale, offset, mean, variance, params):
             outs += (tf.stop_gradient(rs1), tf.stop_gradient(rs2))
         return outs
     outs = _tf_forward_our_backward(x, scale, offset, mean, variance, params)
-    return (apply_activation(outs[0], params.activation),) + tuple(outs[1:])
+    return ((apply_activation(outs[0], params.activation, params.side_input),)
+            + tuple(outs[1:]))
 
 
 def _tf_forward_our_backward(x, scale, offset, mean, variance, params):

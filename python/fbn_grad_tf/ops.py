@@ -57,12 +57,19 @@ def _check_factor(factor):
     return float(factor)
 
 
+#: activation argument (lower case) -> the op's activation_mode ("silu" is "swish").
+_ACTIVATION_MODES = {"identity": "Identity", "relu": "Relu", "relu6": "Relu6",
+                     "swish": "Swish", "silu": "Swish"}
+
+
 def _check_activation(activation):
-    """None/"identity" -> "Identity", "relu" -> "Relu" (the op's activation_mode)."""
+    """None/"identity" -> "Identity", "relu" -> "Relu", "relu6" -> "Relu6", "swish"/"silu" ->
+    "Swish" (the op's activation_mode)."""
     name = "identity" if activation is None else activation
-    if isinstance(name, str) and name.lower() in ("identity", "relu"):
-        return name.lower().capitalize()
-    raise ValueError('activation must be None, "identity" or "relu", got %r' % (activation,))
+    if isinstance(name, str) and name.lower() in _ACTIVATION_MODES:
+        return _ACTIVATION_MODES[name.lower()]
+    raise ValueError("activation must be None or one of %s, got %r"
+                     % (", ".join('"%s"' % a for a in _ACTIVATION_MODES), activation))
 
 
 def _check_is_training(is_training):
@@ -126,9 +133,10 @@ def fused_batch_norm_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2
 
 def fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon=0.0001,
                         exponential_avg_factor=1.0, data_format="NHWC", is_training=True,
-                        activation=None, name=None):
+                        activation=None, name=None, side_input=None):
     """Batch-norm forward with the semantics of tf.raw_ops.FusedBatchNormV3, by our op
-    ("FbnGrad>FusedBatchNormV3"; "FbnGrad>FusedBatchNormEx" for activation="relu").
+    ("FbnGrad>FusedBatchNormV3"; "FbnGrad>FusedBatchNormEx" with an activation ("relu",
+    "relu6", "swish"/"silu") or a side_input: y = act(bn(x) + side_input)).
 
     mean/variance: the running statistics; in training with exponential_avg_factor == 1 they
     are not read and may be empty ([0]) tensors, as with TF. reserve_space_2 receives the
@@ -146,17 +154,24 @@ def fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon=0.0001,
     xt = _as_tensor(x, "x", _T_DTYPES)
     vecs = [_as_tensor(v, n, (tf.float32,)) for v, n in
             ((scale, "scale"), (offset, "offset"), (mean, "mean"), (variance, "variance"))]
-    shapes = [t.shape for t in [xt] + vecs]
+    side = None
+    if side_input is not None:
+        side = _as_tensor(side_input, "side_input", _T_DTYPES)
+        if side.dtype != xt.dtype:
+            raise TypeError("side_input must have the dtype of x (%s), got %s"
+                            % (xt.dtype.name, side.dtype.name))
+    shapes = [t.shape for t in [xt] + vecs + ([] if side is None else [side])]
     if all(sh.is_fully_defined() for sh in shapes):
         _core.validate_forward([sh.as_list() for sh in shapes], data_format, epsilon, factor,
-                               is_training)
+                               is_training, mode)
     kw = dict(x=xt, scale=vecs[0], offset=vecs[1], mean=vecs[2], variance=vecs[3],
               epsilon=epsilon, exponential_avg_factor=factor, data_format=data_format,
               is_training=is_training, name=name or "FusedBatchNorm")
-    if mode == "Identity":
+    if mode == "Identity" and side is None:
         outputs = raw_forward_op(**kw)
     else:
-        outputs = raw_forward_ex_op(activation_mode=mode, **kw)
+        outputs = raw_forward_ex_op(side_input=[] if side is None else [side],
+                                    activation_mode=mode, **kw)
     return FusedBatchNormOutputs(*outputs)
 
 
@@ -406,9 +421,10 @@ class FusedBatchNorm(_OpOutputs):
     """Mirror of org.tensorflow.op.nn.FusedBatchNorm, backed by our forward op.
 
     OP_NAME is the op type this class builds, "FbnGrad>FusedBatchNormV3" (TF's
-    "FusedBatchNormV3", Java's OP_NAME, is kept as MIRRORED_OP_NAME); with the extra option
-    activation("relu") it builds "FbnGrad>FusedBatchNormEx" (y = relu(batch_norm(x))).
-    Gradients flow through either, to our backward.
+    "FusedBatchNormV3", Java's OP_NAME, is kept as MIRRORED_OP_NAME); with the extra options
+    activation("relu" | "relu6" | "swish") and side_input(tensor) it builds
+    "FbnGrad>FusedBatchNormEx" (y = act(batch_norm(x) + side_input), TF's _FusedBatchNormEx).
+    Gradients flow through either, to our backward (the side input's too).
     """
 
     _OUTPUTS = FusedBatchNormOutputs
@@ -416,9 +432,10 @@ class FusedBatchNorm(_OpOutputs):
     EX_OP_NAME = FORWARD_EX_OP_NAME
     MIRRORED_OP_NAME = "FusedBatchNormV3"
     DEFAULT_NAME = "FusedBatchNorm"
-    _ATTRS = ("epsilon", "exponential_avg_factor", "data_format", "is_training", "activation")
+    _ATTRS = ("epsilon", "exponential_avg_factor", "data_format", "is_training", "activation",
+              "side_input")
     _DEFAULTS = {"epsilon": 0.0001, "exponential_avg_factor": 1.0, "data_format": "NHWC",
-                 "is_training": True, "activation": None}
+                 "is_training": True, "activation": None, "side_input": None}
 
     class Options:
         """Optional attributes; unset fields keep the op defaults (epsilon 1e-4,
@@ -448,9 +465,16 @@ class FusedBatchNorm(_OpOutputs):
             self._values["activation"] = activation
             return self
 
+        def side_input(self, side_input):
+            """y = act(batch_norm(x) + side_input): a tensor of x's shape and dtype (None:
+            no side input)."""
+            self._values["side_input"] = side_input
+            return self
+
         exponentialAvgFactor = exponential_avg_factor
         dataFormat = data_format
         isTraining = is_training
+        sideInput = side_input
 
         def __repr__(self):
             return "FusedBatchNorm.Options(%s)" % ", ".join(
@@ -476,9 +500,14 @@ class FusedBatchNorm(_OpOutputs):
     def activation(activation):
         return FusedBatchNorm.Options().activation(activation)
 
+    @staticmethod
+    def side_input(side_input):
+        return FusedBatchNorm.Options().side_input(side_input)
+
     exponentialAvgFactor = exponential_avg_factor
     dataFormat = data_format
     isTraining = is_training
+    sideInput = side_input
 
     @classmethod
     def create(cls, scope, x, scale, offset, mean, variance, *options):
