@@ -69,21 +69,23 @@ def test_patterns_fused_and_reported():
     conv, rep = convert(model, return_report=True)
     names = {layer.name for layer in conv.layers}
     # Same names, less the fused activation layers; every BN is ours.
-    assert names == {layer.name for layer in model.layers} - {"act_relu", "relu_layer"}
+    assert names == {layer.name for layer in model.layers} - {
+        "act_relu", "relu_layer", "relu6", "swish", "add", "add_relu"}
     assert not keras_bns(conv) and len(ours(conv)) == 7
     assert sorted(rep.replaced) == sorted(layer.name for layer in keras_bns(model))
     assert sorted(rep.fused) == [("bn_act_relu", ["act_relu"], "relu"),
-                                 ("bn_relu_layer", ["relu_layer"], "relu")]
+                                 ("bn_relu6", ["relu6"], "relu6"),
+                                 ("bn_relu_layer", ["relu_layer"], "relu"),
+                                 ("bn_residual", ["add", "add_relu"], "relu"),
+                                 ("bn_swish", ["swish"], "swish")]
     assert conv.get_layer("bn_act_relu").activation == "relu"
+    assert conv.get_layer("bn_relu6").activation == "relu6"
+    assert conv.get_layer("bn_swish").activation == "swish"
     assert conv.get_layer("bn_relu_layer").get_config()["epsilon"] == 1e-4
-    reasons = {bn: (pattern, reason) for bn, pattern, reason in rep.not_fused}
-    assert reasons["bn_relu6"][1] == "activation relu6 not supported by the fused op yet"
-    assert reasons["bn_swish"][1] == "activation swish not supported by the fused op yet"
-    assert reasons["bn_residual"][0] == "BN+Add+activation: add + add_relu"
-    assert "side input" in reasons["bn_residual"][1]
-    assert "bn_two_consumers" not in reasons and "bn_out" not in reasons  # no pattern
+    # bn_two_consumers and bn_out match no pattern; everything that matched was fused.
+    assert not rep.not_fused
     assert not rep.not_converted and not rep.shared
-    assert "2 fused" in str(rep) and "relu6 not supported" in str(rep)
+    assert "5 fused" in str(rep)
     # Same weights, same outputs (inference and a training step), same moving statistics.
     for layer in model.layers:
         if layer.weights:
@@ -114,13 +116,19 @@ def test_fuse_false_and_synchronized():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_plugging_in_a_new_fused_activation(monkeypatch):
-    """Extending nn.FUSED_ACTIVATIONS is all convert needs (the op is not called here)."""
-    monkeypatch.setattr(nn, "FUSED_ACTIVATIONS", nn.FUSED_ACTIVATIONS + ("relu6",))
+def test_fusion_follows_the_lists(monkeypatch):
+    """convert fuses exactly what nn.FUSED_ACTIVATIONS / FUSED_SIDE_INPUT_ACTIVATIONS list
+    (the op is not called here): without relu6 and side inputs, those are reported."""
+    monkeypatch.setattr(nn, "FUSED_ACTIVATIONS", ("relu", "swish"))
+    monkeypatch.setattr(nn, "FUSED_SIDE_INPUT_ACTIVATIONS", ())
     conv, rep = convert(patterns_model(), return_report=True)
-    assert ("bn_relu6", ["relu6"], "relu6") in rep.fused
-    assert conv.get_layer("bn_relu6").activation == "relu6"
-    assert "relu6" not in {layer.name for layer in conv.layers}
+    reasons = {bn: (pattern, reason) for bn, pattern, reason in rep.not_fused}
+    assert reasons["bn_relu6"][1] == "activation relu6 not supported by the fused op yet"
+    assert reasons["bn_residual"][0] == "BN+Add+activation: add + add_relu"
+    assert "side input" in reasons["bn_residual"][1]
+    assert ("bn_swish", ["swish"], "swish") in rep.fused
+    assert conv.get_layer("bn_relu6").activation is None
+    assert "relu6" in {layer.name for layer in conv.layers}
 
 
 def test_sequential_and_nested():
@@ -217,12 +225,14 @@ def test_training_graph_and_keras_file_round_trip(tmp_path):
 
 # ---- keras.applications ----------------------------------------------------------------------
 
-EXPECTED = {  # (BN layers replaced, fused with a ReLU, matched but not fused, reason)
-    "MobileNetV2": (52, 0, 35, "relu6 not supported"),
-    "ResNet50": (53, 33, 20, "side input"),
+EXPECTED = {  # (BN layers replaced, fused with an activation, matched but not fused, reason)
+    "MobileNetV2": (52, 35, 0, None),  # BN+ReLU6
+    # 33 BN+ReLU and 16 BN+Add+ReLU; the 4 projection blocks' Add has a BN on both inputs
+    # and one side input: the other BN stays unfused.
+    "ResNet50": (53, 49, 4, "already fused"),
     "ResNet50V2": (49, 49, 0, None),
     "DenseNet121": (121, 121, 0, None),
-    "EfficientNetB0": (49, 0, 33, "swish not supported"),
+    "EfficientNetB0": (49, 33, 0, None),  # BN+swish
 }
 
 

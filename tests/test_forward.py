@@ -223,8 +223,8 @@ def test_relu_forward_and_backward(dtype, fmt, training):
     rs1, rs2 = (ours[3], ours[4]) if training else (mean, var)
     got = _loader.raw_grad_ex_op(
         y_backprop=dy, x=x, scale=scale, reserve_space_1=rs1, reserve_space_2=rs2,
-        reserve_space_3=np.zeros(0, np.float32), y=ours[0], epsilon=EPS, data_format=fmt,
-        is_training=training, activation_mode="Relu")
+        reserve_space_3=np.zeros(0, np.float32), y=ours[0], offset=[], side_input=[],
+        epsilon=EPS, data_format=fmt, is_training=training, activation_mode="Relu")
     masked = np.where(ours[0].astype(np.float32) > 0, dy, np.zeros_like(dy))
     want = fbn_grad_tf.fused_batch_norm_grad(masked, x, scale, rs1, rs2,
                                              np.zeros(0, np.float32), EPS, fmt, training)
