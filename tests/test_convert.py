@@ -145,10 +145,11 @@ def test_sequential_and_nested():
     conv, rep = convert(seq, return_report=True)
     assert isinstance(conv, keras.Sequential) and conv.name == "seq"
     assert [layer.name for layer in conv.layers] == [
-        layer.name for layer in seq.layers if layer.name != "r1"]
+        layer.name for layer in seq.layers if layer.name not in ("r1", "r6")]
     assert ("bn1", ["r1"], "relu") in rep.fused
     assert ("block/inner_bn", ["inner_relu"], "relu") in rep.fused
-    assert [r[0] for r in rep.not_fused] == ["bn2"]
+    assert ("bn2", ["r6"], "relu6") in rep.fused
+    assert not rep.not_fused
     assert not keras_bns(conv) and len(ours(conv)) == 3
     x = oracle.data(2, (5, 8, 8, 3))[0]
     np.testing.assert_allclose(seq(x, training=True), conv(x, training=True), rtol=1e-4,
