@@ -174,3 +174,171 @@ def test_fuzz_forward_op():
     assert stats["examples"] >= min(n, 500)
     assert stats["rejected_as_expected"] > 0.1 * stats["examples"]
     assert stats["compared_tf"] > 0.25 * stats["examples"]
+
+
+# ---- the fused ops (side input, activation) ---------------------------------------------------
+
+EX_MODES = ("Identity", "Relu", "Relu6", "Swish", "Gelu", "relu")
+
+
+@st.composite
+def ex_examples(draw):
+    fmt = draw(st.sampled_from(FORMATS))
+    rank = 5 if fmt in ("NDHWC", "NCDHW") else 4
+    dims = [draw(st.integers(0, 3) if i == 0 else st.integers(1, 4)) for i in range(rank)]
+    side = draw(st.sampled_from(["none"] * 3 + ["ok"] * 6 + ["shape", "dtype"]))
+    return dict(fmt=fmt, dims=dims, dtype=draw(st.sampled_from(DTYPES)),
+                training=draw(st.booleans()), mode=draw(st.sampled_from(EX_MODES * 3 + EX_MODES[:4])),
+                side=side, offset_ok=draw(st.sampled_from([True] * 8 + [False])),
+                epsilon=draw(st.sampled_from((1e-3,) * 8 + (1e10, 0.0, float("nan")))),
+                special=draw(st.sampled_from([None] * 6 + [np.nan, np.inf, -np.inf, 1e30])),
+                seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+def run_ex_fuzz(cfg):
+    """Never a crash, never silently wrong: a bad side input, activation_mode, offset or
+    epsilon is rejected naming it (op and core alike); otherwise the op equals the core
+    bitwise, finite inputs give finite outputs, and y matches a float64 evaluation."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import ml_dtypes
+    import tensorflow as tf
+    from fbn_grad_tf import _loader, core
+    np_dt = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+    stats = {"examples": 0, "rejected_as_expected": 0, "computed": 0}
+
+    @settings(max_examples=cfg["examples"], deadline=None, database=None, derandomize=False,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @hyp_seed(cfg["seed"])
+    @given(ex_examples())
+    def check(ex):
+        subproc.note(ex)
+        stats["examples"] += 1
+        rng = np.random.default_rng(ex["seed"])
+        dt = np_dt[ex["dtype"]]
+        shape = ex["dims"]
+        c = shape[1] if ex["fmt"] in ("NCHW", "NCDHW") else shape[-1]
+        x = (2 * rng.standard_normal(shape)).astype(np.float32)
+        if ex["special"] is not None and x.size:
+            x.flat[rng.integers(x.size)] = ex["special"]
+        x = x.astype(dt)
+        dy = rng.standard_normal(shape).astype(np.float32).astype(dt)
+        scale = rng.uniform(0.5, 2, c).astype(np.float32)
+        offset = rng.uniform(-1, 4, c).astype(np.float32)
+        side = None
+        if ex["side"] == "ok":
+            side = rng.standard_normal(shape).astype(np.float32).astype(dt)
+        elif ex["side"] == "shape":
+            side = np.zeros(shape[:-1] + [shape[-1] + 1], dt)
+        elif ex["side"] == "dtype":
+            side = np.zeros(shape, np.float32 if ex["dtype"] != "float32" else np.float16)
+        mode = ex["mode"]
+        training = ex["training"]
+        eps = ex["epsilon"]
+        mean = np.zeros(0 if training else c, np.float32)
+        var = np.zeros(0, np.float32) if training else rng.uniform(0.5, 2, c).astype(np.float32)
+        # The expected rejection (the first applicable one), as the validation orders them.
+        expect = None
+        if mode not in ("Identity", "Relu", "Relu6", "Swish"):
+            expect = "activation_mode"
+        elif not (np.isfinite(np.float32(eps)) and eps >= 0):
+            expect = "epsilon"
+        elif ex["side"] == "shape":
+            expect = "side_input must have the shape of x"
+        elif ex["side"] == "dtype":
+            expect = "side_input"
+        side_list = [] if side is None else [tf.constant(side)]
+        kw = dict(x=tf.constant(x), scale=scale, offset=offset, mean=mean, variance=var,
+                  epsilon=eps, data_format=ex["fmt"], is_training=training)
+        if expect is not None:
+            try:
+                _loader.raw_forward_ex_op(side_input=side_list, activation_mode=mode, **kw)
+            except (tf.errors.InvalidArgumentError, TypeError, ValueError) as e:
+                # A side input of another dtype fails TF's type inference (T) first.
+                assert expect in str(e) or ex["side"] == "dtype", (expect, str(e))
+            else:
+                raise AssertionError("accepted, expected a rejection naming %r" % expect)
+            # The core's activation argument is case-insensitive ("relu" is valid there).
+            if mode != "relu":
+                try:
+                    core.bn_forward(x, scale, offset, mean, var, epsilon=eps,
+                                    data_format=ex["fmt"], is_training=training,
+                                    activation=mode, side_input=side)
+                except (ValueError, TypeError) as e:
+                    bad_side = ex["side"] in ("shape", "dtype") and "side_input" in str(e)
+                    assert expect in str(e) or "activation must be" in str(e) or bad_side, (
+                        expect, str(e))
+                else:
+                    raise AssertionError("core accepted, expected %r" % expect)
+            stats["rejected_as_expected"] += 1
+            return
+        fwd = [t.numpy() for t in _loader.raw_forward_ex_op(side_input=side_list,
+                                                            activation_mode=mode, **kw)]
+        act = mode.lower()
+        mine = core.bn_forward(x, scale, offset, mean, var, epsilon=eps, data_format=ex["fmt"],
+                               is_training=training, activation=act, side_input=side)
+        for a, b in zip(fwd[:5], mine):
+            assert np.array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8)), "op != core"
+        rs1, rs2 = (fwd[3], fwd[4]) if training else (mean, var)
+        offsets = [offset] if ex["offset_ok"] else []
+        gkw = dict(y_backprop=dy, x=tf.constant(x), scale=scale, reserve_space_1=rs1,
+                   reserve_space_2=rs2, reserve_space_3=np.zeros(0, np.float32), y=fwd[0],
+                   offset=offsets, side_input=side_list, epsilon=eps, data_format=ex["fmt"],
+                   is_training=training, activation_mode=mode)
+        if mode == "Swish" and not ex["offset_ok"]:
+            try:
+                _loader.raw_grad_ex_op(**gkw)
+            except tf.errors.InvalidArgumentError as e:
+                assert "offset is required" in str(e)
+            else:
+                raise AssertionError("Swish backward without offset accepted")
+            stats["rejected_as_expected"] += 1
+            return
+        out = _loader.raw_grad_ex_op(**gkw)
+        cb = core.bn_grad(dy, x, scale, rs1, rs2, epsilon=eps, data_format=ex["fmt"],
+                          is_training=training, activation=act, y=fwd[0],
+                          offset=offset if ex["offset_ok"] else None, side_input=side,
+                          side_input_backprop=side is not None)
+        for a, b in zip(list(out[:3]) + list(out[5]), cb):
+            assert np.array_equal(a.numpy().view(np.uint8), np.asarray(b).view(np.uint8)), \
+                "grad op != core"
+        stats["computed"] += 1
+        if x.size == 0 or ex["special"] is not None or eps > 1e5:
+            return
+        # Finite inputs, sane epsilon: finite results, y close to float64.
+        for a in fwd[:1] + [o.numpy() for o in out[:3]]:
+            assert np.all(np.isfinite(a.astype(np.float32))), "non-finite output"
+        if training:
+            mu64, v64 = None, None
+        else:
+            mu64, v64 = mean.astype(np.float64), var.astype(np.float64)
+        x64 = x.astype(np.float64)
+        c_axis = 1 if ex["fmt"] in ("NCHW", "NCDHW") else x.ndim - 1
+        axes = tuple(i for i in range(x.ndim) if i != c_axis)
+        bshape = [1] * x.ndim
+        bshape[c_axis] = -1
+        if training:
+            mu64, v64 = x64.mean(axis=axes), x64.var(axis=axes)
+        z = ((x64 - mu64.reshape(bshape)) / np.sqrt(v64.reshape(bshape) + np.float32(eps))
+             * scale.reshape(bshape) + offset.reshape(bshape))
+        if side is not None:
+            z = z + side.astype(np.float64)
+        y = {"Identity": z, "Relu": np.maximum(z, 0), "Relu6": np.clip(z, 0, 6),
+             "Swish": z / (1 + np.exp(-z))}[mode]
+        tol = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}[ex["dtype"]]
+        err = np.max(np.abs(fwd[0].astype(np.float64) - y)) / (1 + np.max(np.abs(y)))
+        assert err <= tol, "y off by %g" % err
+
+    check()
+    return stats
+
+
+def test_fuzz_ex_ops():
+    n = int(os.environ.get("FBN_FUZZ_EXAMPLES", 400))
+    (o,) = subproc.run_cases("test_hardening_forward:run_ex_fuzz",
+                             [{"examples": n, "seed": SEED}], timeout=900)
+    assert o.status == "ok", "fuzz failed (%s): %s\nlast example: %r" % (
+        o.status, o.message or o.detail, o.last_note)
+    stats = o.value
+    assert stats["examples"] >= min(n, 300)
+    assert stats["rejected_as_expected"] > 0.1 * stats["examples"]
+    assert stats["computed"] > 0.3 * stats["examples"]
