@@ -3,7 +3,8 @@
 TensorFlow's thread pools cannot be resized after initialization, so each configuration runs
 in a child Python process: intra-op threads 1, 2 and 4 (and the CPU paths forced through
 FBN_GRAD_TF_ISA, and every call at once in one tf.function with inter-op parallelism), on
-the same seeded inputs, each computing every case twice. The children
+the same seeded inputs, each computing every case twice, with the plain backward and with
+the fused one (FusedBatchNormGradEx: Relu6, Swish with a side input). The children
 save the raw output bits; all of them must be identical.
 """
 import os
@@ -51,19 +52,46 @@ CHILD = textwrap.dedent(r"""
             for rep in range(2):
                 calls[(i, training, rep)] = (inputs, fmt, training)
 
+    from fbn_grad_tf import _loader
+
+    def ex_grad(inputs, fmt, training, mode):
+        # The fused backward (Relu6 from y, Swish recomputing z with a side input), with
+        # side_input_backprop: x stands in for the forward's y and the side input.
+        dy, x = inputs[0], inputs[1]
+        c = inputs[2].shape[0]
+        out = _loader.raw_grad_ex_op(
+            y_backprop=dy, x=x, scale=inputs[2], reserve_space_1=inputs[3],
+            reserve_space_2=inputs[4], reserve_space_3=inputs[5], y=x,
+            offset=[np.linspace(-1, 1, c).astype(np.float32)], side_input=[x],
+            data_format=fmt, is_training=training, activation_mode=mode)
+        return list(out[:3]) + list(out[5])
+
     def run_all():
-        return {key: fbn_grad_tf.fused_batch_norm_grad(*inputs, data_format=fmt,
+        outs = {key: fbn_grad_tf.fused_batch_norm_grad(*inputs, data_format=fmt,
                                                        is_training=training)[:3]
                 for key, (inputs, fmt, training) in calls.items()}
+        ex = {}  # (keys of one type per dict: tf.function sorts them)
+        for (i, training, rep), (inputs, fmt, _) in calls.items():
+            for mode in ("Relu6", "Swish"):
+                ex[("e" + mode, i, training, rep)] = ex_grad(inputs, fmt, training, mode)
+        return outs, ex
     if inter > 1:
         # All calls in one graph: TF's executor runs independent ops at the same time, so
         # ours share the intra-op pool with each other (helpers join late or not at all).
-        outs = tf.function(run_all)()
+        outs, ex = tf.function(run_all)()
     else:
-        outs = run_all()
-    for (i, training, rep), out in outs.items():
-        for k, t in zip(("dx", "dscale", "doffset"), out):
-            result["%%d-%%s-%%d-%%s" %% (i, training, rep, k)] = bits(t.numpy())
+        outs, ex = run_all()
+    outs = dict(outs)
+    outs.update(ex)
+    for key, out in outs.items():
+        if len(key) == 4:  # the fused backward: "eRelu6_<case>-<training>-<rep>-<output>"
+            prefix, (i, training, rep) = key[0] + "_", key[1:]
+            names = ("dx", "dscale", "doffset", "dside")
+        else:
+            prefix, (i, training, rep) = "", key
+            names = ("dx", "dscale", "doffset")
+        for k, t in zip(names, out):
+            result["%%s%%d-%%s-%%d-%%s" %% (prefix, i, training, rep, k)] = bits(t.numpy())
     np.savez(out_path, **result)
 """) % {"tests_dir": TESTS_DIR, "cases": CASES}
 
@@ -121,8 +149,8 @@ def test_repeated_runs_in_one_process_bitwise_equal(child_outputs):
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "threads1"])
 def test_bitwise_equal_across_thread_counts_processes_and_isas(child_outputs, name):
     ref, out = child_outputs["threads1"], child_outputs[name]
-    keys = [k for k in ref if k[0].isdigit()]
-    assert len(keys) == len(CASES) * 2 * 2 * 3
+    keys = [k for k in ref if k[0].isdigit() or k[0] == "e"]
+    assert len(keys) == len(CASES) * 2 * 2 * 3 + len(CASES) * 2 * 2 * 2 * 4
     for key in keys:
         np.testing.assert_array_equal(out[key], ref[key], err_msg="%s vs threads1: %s" % (
             name, key))
