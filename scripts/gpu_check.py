@@ -21,6 +21,11 @@ Parts:
       inv_std, exponential_avg_factor 0.3), inference} x {identity, relu}, large-mean data
       (mean 1e4, std ~1), NaN through the fused ReLU, determinism, and the fused-ReLU
       backward (bn_grad relu_y=y vs dy masked with y > 0). Runs before (c).
+  (e) fused modes (part of (d)): the CUDA kernels implement Identity and Relu without a
+      side input; Relu6, Swish and a side input (FusedBatchNormEx / GradEx) are CPU-only
+      so far, and on CUDA arrays bn_forward/bn_grad must refuse them with a clear error
+      (never compute). The same modes on the CPU kernels vs a float64 reference (y, dx,
+      side_input_backprop), so a GPU run also covers them where the GPU cannot.
 Exit status: 0 when every numeric/determinism check passed, 1 otherwise (2: setup error).
 
 `reference_bn_grad` (float64, NumPy only) is importable from here for other tests.
@@ -756,6 +761,9 @@ def run_forward_checks(bn_forward, bn_grad, torch, epsilon, seed, verbose):
                     failures.append("%s relu backward %s: %s" % (dev, tag, why))
         except Exception as e:  # noqa: BLE001
             failures.append("relu backward %s: %r" % (tag, e))
+    n_ex, ex_failures = run_fused_mode_checks(bn_forward, bn_grad, torch, epsilon, rng)
+    n += n_ex
+    failures += ex_failures
     torch.cuda.synchronize()
     print("(d) forward: %d checks (numerics, NaN/ReLU, determinism, ReLU backward) in %.1fs: %s"
           % (n, time.time() - t0, "all ok" if not failures else "%d FAILED" % len(failures)))
@@ -764,6 +772,67 @@ def run_forward_checks(bn_forward, bn_grad, torch, epsilon, seed, verbose):
     if len(failures) > 40:
         print("  ... %d more failures" % (len(failures) - 40))
     return n, len(failures)
+
+
+def run_fused_mode_checks(bn_forward, bn_grad, torch, epsilon, rng):
+    """(e): Relu6, Swish and side inputs: refused on CUDA arrays (clear ValueError naming
+    the CPU), computed right by the CPU kernels (float64 reference). Returns (checks,
+    failure messages)."""
+    n, failures = 0, []
+    fmt, shape = "NHWC", (3, 9, 9, 16)
+    for act, side in itertools.product(("relu6", "swish", "relu", None), (False, True)):
+        if act in ("relu", None) and not side:
+            continue  # implemented on CUDA: covered by (d)
+        n += 1
+        inp = make_forward_inputs(shape, "float32", fmt, rng)
+        s_np = rng.standard_normal(inp["x"].shape).astype(np.float32) if side else None
+        tag = "%s side=%s" % (act, side)
+        try:
+            d = {k: to_device(torch, v) for k, v in inp.items()}
+            s_dev = to_device(torch, s_np) if side else None
+            try:
+                bn_forward(d["x"], d["scale"], d["offset"], epsilon=epsilon, data_format=fmt,
+                           activation=act, side_input=s_dev, saved_stat="inv_std")
+                failures.append("cuda %s: forward accepted a mode the CUDA kernels do not "
+                                "implement" % tag)
+            except ValueError as e:
+                if "CUDA kernels" not in str(e):
+                    failures.append("cuda %s: unclear refusal %r" % (tag, e))
+            # CPU kernels, float64 reference.
+            y, _, _, sm, sv = bn_forward(inp["x"], inp["scale"], inp["offset"],
+                                         epsilon=epsilon, data_format=fmt, activation=act,
+                                         side_input=s_np)
+            dy = rng.standard_normal(y.shape).astype(np.float32)
+            out = bn_grad(dy, inp["x"], inp["scale"], sm, sv, epsilon=epsilon,
+                          data_format=fmt, activation=act, y=y, offset=inp["offset"],
+                          side_input=s_np, side_input_backprop=side)
+            x = inp["x"].astype(np.float64)
+            mu, var = x.mean(axis=(0, 1, 2)), x.var(axis=(0, 1, 2))
+            xhat = (x - mu) / np.sqrt(var + epsilon)
+            z = xhat * inp["scale"] + inp["offset"] + (0 if s_np is None else s_np)
+            if act == "relu6":
+                y_ref, dact = np.clip(z, 0, 6), ((y > 0) & (y < 6)).astype(np.float64)
+            elif act == "swish":
+                sg = 1 / (1 + np.exp(-z))
+                y_ref, dact = z * sg, sg * (1 + z * (1 - sg))
+            elif act == "relu":
+                y_ref, dact = np.maximum(z, 0), (y > 0).astype(np.float64)
+            else:
+                y_ref, dact = z, np.ones_like(z)
+            dz = dy * dact
+            ref = reference_bn_grad(dz, inp["x"], inp["scale"], sm, sv, epsilon, fmt, True,
+                                    "variance")
+            ok, _, _, _, why = compare(tuple(result_to_f64(o) for o in out[:3]), ref,
+                                       "float32")
+            if not ok:
+                failures.append("cpu %s backward: %s" % (tag, why))
+            if np.max(np.abs(y - y_ref)) > 1e-4 * (1 + np.max(np.abs(y_ref))):
+                failures.append("cpu %s forward: y off" % tag)
+            if side and np.max(np.abs(out[3] - dz)) > 1e-4 * (1 + np.max(np.abs(dz))):
+                failures.append("cpu %s: side_input_backprop off" % tag)
+        except Exception as e:  # noqa: BLE001
+            failures.append("fused mode %s: %r" % (tag, e))
+    return n, failures
 
 
 # ---------------------------------------------------------------------------------------
