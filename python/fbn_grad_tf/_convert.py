@@ -8,7 +8,8 @@ weights are then copied layer by layer, so names, configs and weights (moving st
 included) are those of the original. What is matched is the *pattern table* below: a BN
 whose only consumer is an activation layer, or a residual ``Add`` followed by an activation.
 What is fused is what ``fbn_grad_tf.nn.FUSED_ACTIVATIONS`` (and, for the residual pattern,
-``FUSED_SIDE_INPUT_ACTIVATIONS``) lists: when the C++ ops learn relu6, swish or a side input,
+``FUSED_SIDE_INPUT_ACTIVATIONS``) lists (relu, relu6, swish, with or without the side input);
+when the C++ ops learn another activation,
 extending those lists is all convert needs.
 """
 import dataclasses
@@ -436,7 +437,8 @@ def convert(model, fuse=True, synchronized=False, verbose=False, return_report=F
     fuse: where a BN's only consumer is an activation layer (``Activation("relu" | "relu6" |
       "swish" | "silu")``, ``ReLU()``, ``ReLU(max_value=6)``), or a 2-input ``Add`` followed
       by one (a residual connection), and our fused op supports that activation
-      (``fbn_grad_tf.nn.FUSED_ACTIVATIONS``; today "relu", and no side input), the BN becomes
+      (``fbn_grad_tf.nn.FUSED_ACTIVATIONS``: "relu", "relu6", "swish"; with a side input for
+      the residual pattern), the BN becomes
       ``BatchNormalization(activation=...)`` and the activation layer disappears (same
       outputs). Matched patterns that are not fused are listed in the report with the reason.
     synchronized: the BN layers become cross-replica ones (``synchronized=True``, see

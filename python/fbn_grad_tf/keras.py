@@ -1,17 +1,18 @@
 """``fbn_grad_tf.keras.BatchNormalization``: Keras 3's BatchNormalization with fbn_grad_tf's
-fused forward and backward (and an optional fused ReLU).
+fused forward and backward (and an optional fused activation and side input).
 
     import fbn_grad_tf
     layer = fbn_grad_tf.keras.BatchNormalization()      # same arguments as keras.layers.BN
     bn_relu = fbn_grad_tf.keras.BatchNormalization(activation="relu")  # relu(bn(x)), fused
+    y = fbn_grad_tf.keras.BatchNormalization(activation="swish")(x, side_input=r)  # swish(bn(x)+r)
 
 It subclasses ``keras.layers.BatchNormalization`` (same constructor, weights, variable names,
 get_config and moving-statistics semantics) and replaces the math of ``call`` when it can:
 
 * fused path (4-D or 5-D input whose normalized axis is the channel axis: last -> NHWC/NDHWC,
   1 -> NCHW/NCDHW; dtype float16/bfloat16/float32; no mask; renorm=False):
-  forward = our "FbnGrad>FusedBatchNormV3" op ("FbnGrad>FusedBatchNormEx" with
-  activation="relu"), backward = our "FbnGrad>FusedBatchNormGradV3" ("...GradEx") op. The
+  forward = our "FbnGrad>FusedBatchNormV3" op ("FbnGrad>FusedBatchNormEx" with an
+  activation or a side input), backward = our "FbnGrad>FusedBatchNormGradV3" ("...GradEx") op. The
   ``forward_op`` property selects TF's ``FusedBatchNormV3`` forward instead (then the
   gradient is a tf.custom_gradient calling our op, and a ReLU is a separate tf.nn.relu).
   Inference (training=False) always uses TF's forward op, so that serving exports hold
@@ -22,7 +23,7 @@ get_config and moving-statistics semantics) and replaces the math of ``call`` wh
   space holds different things on CPU and GPU).
 * anything else (2-D/3-D input, another axis, float64, a mask, renorm=True) falls back to
   Keras' own implementation (plain TF ops, Keras' gradient) unchanged, followed by
-  tf.nn.relu when activation="relu".
+  the side input and the activation with TF ops (tf.nn.relu / relu6 / silu).
 
 Inside XLA compilation (tf.function(jit_compile=True), model.compile(jit_compile=True)) our
 op cannot be compiled: the layer keeps the fused forward but uses TF's own FusedBatchNormGradV3
