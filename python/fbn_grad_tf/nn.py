@@ -202,8 +202,24 @@ def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
     return _fused_batch_norm_v3(x, scale, offset, mean, variance, params)
 
 
+# What our CUDA kernels fuse: ReLU only, no side input (docs/GPU.md). Where GPUs are visible,
+# the other activations and the side input run as TF ops after our BN op, so that a model
+# converted (or built) with them still runs when TF places it on a GPU.
+_CUDA_FUSED_ACTIVATIONS = (None, "relu")
+
+
+def _gpus_visible():
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
 def _our_forward(x, scale, offset, mean, variance, params):
     """Our forward op; its gradient is registered by op type (gradients.py)."""
+    if ((params.activation not in _CUDA_FUSED_ACTIVATIONS or params.side_input is not None)
+            and _gpus_visible()):
+        outs = _our_forward(x, scale, offset, mean, variance,
+                            dataclasses.replace(params, activation=None, side_input=None))
+        return ((apply_activation(outs[0], params.activation, params.side_input),)
+                + tuple(outs[1:]))
     kw = dict(x=x, scale=scale, offset=offset, mean=mean, variance=variance,
               **params.op_attrs())
     if params.activation is not None or params.side_input is not None:
