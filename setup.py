@@ -84,8 +84,12 @@ if CUDA_MODE not in ("0", "1", "auto"):
     sys.exit("FBN_GRAD_TF_CUDA must be auto, 0 or 1, got %r" % CUDA_MODE)
 # -O1 (after COMMON_FLAGS' -O3): readable reports at a tolerable speed.
 # -fno-sanitize-recover=all: UBSan stops the process at its first report (as ASan does).
+# -fno-wrapv: Python's own CFLAGS (which setuptools passes to every extension) hold -fwrapv,
+# under which signed overflow is defined and UBSan does not check it at all; the sanitizer
+# build checks standard C++ instead (an int index that overflows is reported).
 SAN_FLAGS = (["-fsanitize=" + ",".join(SANITIZERS), "-fno-omit-frame-pointer", "-O1"]
-             + (["-fno-sanitize-recover=all"] if "undefined" in SANITIZERS else [])
+             + (["-fno-sanitize-recover=all", "-fno-wrapv"] if "undefined" in SANITIZERS
+                else [])
              if SANITIZERS else [])
 
 
