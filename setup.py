@@ -5,7 +5,11 @@ Environment variables:
                      core: only the pybind11 core module (no TensorFlow needed, e.g. on a
                      GPU machine without TF); core-cuda: same, CUDA forced on.
   FBN_GRAD_TF_CUDA   auto (default: CUDA when nvcc is found), 1 (require), 0 (CPU only).
-  FBN_GRAD_TF_ASAN   1: build with AddressSanitizer (see README, "Hardening").
+  FBN_GRAD_TF_SANITIZE  comma-separated sanitizers, of address and undefined (e.g.
+                     address,undefined: AddressSanitizer + UndefinedBehaviorSanitizer, halting
+                     on the first report; see docs/HARDENING.md, "Sanitizers").
+  FBN_GRAD_TF_ASAN   1: build with AddressSanitizer (the same as adding address to
+                     FBN_GRAD_TF_SANITIZE; kept for existing scripts).
   CUDA_HOME          CUDA toolkit root (default /usr/local/cuda).
 
 The CPU kernels are compiled three times (baseline x86-64, AVX2, AVX-512) and picked at
@@ -68,11 +72,25 @@ COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility
 BUILD = os.environ.get("FBN_GRAD_TF_BUILD", "all")
 if BUILD not in ("all", "core", "core-cuda"):
     sys.exit("FBN_GRAD_TF_BUILD must be all, core or core-cuda, got %r" % BUILD)
-ASAN = os.environ.get("FBN_GRAD_TF_ASAN", "0") == "1"
+SANITIZERS = sorted({n.strip() for n in os.environ.get("FBN_GRAD_TF_SANITIZE", "").split(",")
+                     if n.strip()} | ({"address"} if os.environ.get("FBN_GRAD_TF_ASAN", "0") == "1"
+                                      else set()))
+if not set(SANITIZERS) <= {"address", "undefined"}:
+    sys.exit("FBN_GRAD_TF_SANITIZE must list address and/or undefined, got %r"
+             % os.environ.get("FBN_GRAD_TF_SANITIZE"))
+ASAN = "address" in SANITIZERS
 CUDA_MODE = "1" if BUILD == "core-cuda" else os.environ.get("FBN_GRAD_TF_CUDA", "auto")
 if CUDA_MODE not in ("0", "1", "auto"):
     sys.exit("FBN_GRAD_TF_CUDA must be auto, 0 or 1, got %r" % CUDA_MODE)
-SAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1"] if ASAN else []
+# -O1 (after COMMON_FLAGS' -O3): readable reports at a tolerable speed.
+# -fno-sanitize-recover=all: UBSan stops the process at its first report (as ASan does).
+# -fno-wrapv: Python's own CFLAGS (which setuptools passes to every extension) hold -fwrapv,
+# under which signed overflow is defined and UBSan does not check it at all; the sanitizer
+# build checks standard C++ instead (an int index that overflows is reported).
+SAN_FLAGS = (["-fsanitize=" + ",".join(SANITIZERS), "-fno-omit-frame-pointer", "-O1"]
+             + (["-fno-sanitize-recover=all", "-fno-wrapv"] if "undefined" in SANITIZERS
+                else [])
+             if SANITIZERS else [])
 
 
 def find_nvcc():
@@ -117,7 +135,8 @@ class BuildExt(build_ext):
         tf_version, tf_cflags, tf_lflags = tf_flags() if BUILD == "all" else (None, [], [])
         self.nvcc = nvcc
         info = {"TF_VERSION": tf_version, "WITH_CUDA": bool(nvcc), "CUDA_MODE": CUDA_MODE,
-                "CUDA_ARCHS": CUDA_ARCHS if nvcc else [], "WITH_ASAN": ASAN, "BUILD": BUILD}
+                "CUDA_ARCHS": CUDA_ARCHS if nvcc else [], "WITH_ASAN": ASAN, "BUILD": BUILD,
+                "SANITIZE": SANITIZERS}
         cuda_home = os.path.dirname(os.path.dirname(nvcc)) if nvcc else None
         # Static cudart: the library loads on machines without a CUDA runtime
         # (tensorflow-cpu) and only touches the driver when a GPU kernel actually runs.

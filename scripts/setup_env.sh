@@ -49,7 +49,7 @@ else
 fi
 
 BUILD_STAMP=.venv/.fbn-build.sha256
-switches="BUILD=${FBN_GRAD_TF_BUILD:-all} CUDA=${FBN_GRAD_TF_CUDA:-auto} ASAN=${FBN_GRAD_TF_ASAN:-0} CUDA_HOME=${CUDA_HOME:-} nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true) $req_hash"
+switches="BUILD=${FBN_GRAD_TF_BUILD:-all} CUDA=${FBN_GRAD_TF_CUDA:-auto} ASAN=${FBN_GRAD_TF_ASAN:-0} SANITIZE=${FBN_GRAD_TF_SANITIZE:-} CUDA_HOME=${CUDA_HOME:-} nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true) $req_hash"
 build_hash=$(digest "$switches" setup.py pyproject.toml MANIFEST.in csrc)
 built_libs=$(find python/fbn_grad_tf -maxdepth 1 \( -name '_core*.so' -o -name '_fbn_grad_ops*.so' \) | wc -l)
 if [ "$(cat "$BUILD_STAMP" 2>/dev/null)" = "$build_hash" ] && [ "$built_libs" -ge 2 ]; then

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -307,6 +308,118 @@ void BnGradCudaRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
 }
 #endif
 
+// ---- split backward (reduce / apply), CPU ---------------------------------------------------
+// The entry points of backward.h used by cross-replica batch norm (BnGradReduceCpu,
+// BnGradApplyCpu), validated exactly like the TF ops FbnGrad>BatchNormGradReduce/Apply
+// (fbn_grad_op.cc: ValidateBnInputs with the same vector names; Reduce has no epsilon).
+
+// Shapes of (y_backprop, x, vectors...) named `names` -> BnShape, or ValueError.
+fbn::BnShape ValidateSplit(const std::vector<std::vector<int64_t>>& shapes,
+                           const std::vector<const char*>& names, const std::string& format,
+                           float epsilon) {
+  if (shapes.size() != names.size() + 2) {
+    throw py::value_error("expected the shapes of " + std::to_string(names.size() + 2) +
+                          " inputs");
+  }
+  std::vector<fbn::NamedDims> vecs;
+  for (size_t i = 0; i < names.size(); ++i) vecs.push_back({names[i], &shapes[i + 2]});
+  const fbn::ValidationResult v =
+      fbn::ValidateBnInputs(shapes[0], shapes[1], vecs, Format(format), epsilon);
+  if (!v.ok) throw py::value_error(v.error);
+  return v.shape;
+}
+
+fbn::BnGradParams SplitParams(const fbn::BnShape& s, float epsilon) {
+  fbn::BnGradParams p;
+  p.shape = s;
+  p.epsilon = epsilon;
+  p.is_training = true;
+  p.saved_stat = fbn::SavedStat::kVariance;
+  return p;
+}
+
+// ptrs: dy, x, mean, sum_dy (out), sum_dy_xmu (out)[, relu_y]. Returns the count (elements
+// per channel, as the TF op's float output).
+float BnGradReduceCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
+                         const std::vector<std::vector<int64_t>>& shapes,
+                         const std::string& format, int num_threads, const std::string& isa) {
+  if (ptrs.size() != 5 && ptrs.size() != 6) {
+    throw py::value_error("expected 5 or 6 buffer addresses");
+  }
+  const fbn::BnGradParams params = SplitParams(ValidateSplit(shapes, {"mean"}, format, 0.0f), 0.0f);
+  const fbn::CpuIsa cpu_isa = Isa(isa);
+  const fbn::ThreadRunner runner(num_threads);
+  WithDtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    fbn::BnGradArgs<T> a;
+    a.dy = reinterpret_cast<const T*>(ptrs[0]);
+    a.x = reinterpret_cast<const T*>(ptrs[1]);
+    a.saved_mean = reinterpret_cast<const float*>(ptrs[2]);
+    if (ptrs.size() == 6) a.relu_y = reinterpret_cast<const T*>(ptrs[5]);
+    py::gil_scoped_release release;
+    fbn::BnGradReduceCpu(params, a, reinterpret_cast<float*>(ptrs[3]),
+                         reinterpret_cast<float*>(ptrs[4]), runner, cpu_isa);
+  });
+  return static_cast<float>(params.shape.per_channel());
+}
+
+// ptrs: dy, x, scale, mean, variance, sum_dy, sum_dy_xmu, dx (out)[, relu_y].
+void BnGradApplyCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
+                       const std::vector<std::vector<int64_t>>& shapes, float count,
+                       const std::string& format, float epsilon, int num_threads,
+                       const std::string& isa) {
+  if (ptrs.size() != 8 && ptrs.size() != 9) {
+    throw py::value_error("expected 8 or 9 buffer addresses");
+  }
+  const fbn::BnGradParams params = SplitParams(
+      ValidateSplit(shapes, {"scale", "mean", "variance", "sum_dy", "sum_dy_xmu"}, format,
+                    epsilon),
+      epsilon);
+  if (params.shape.elements() != 0 && !(std::isfinite(count) && count >= 1.0f)) {
+    throw py::value_error(
+        "count must be a finite number >= 1 (elements per channel over all replicas), got " +
+        py::str(py::float_(count)).cast<std::string>());
+  }
+  const fbn::CpuIsa cpu_isa = Isa(isa);
+  const fbn::ThreadRunner runner(num_threads);
+  WithDtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    fbn::BnGradArgs<T> a;
+    a.dy = reinterpret_cast<const T*>(ptrs[0]);
+    a.x = reinterpret_cast<const T*>(ptrs[1]);
+    a.scale = reinterpret_cast<const float*>(ptrs[2]);
+    a.saved_mean = reinterpret_cast<const float*>(ptrs[3]);
+    a.saved_var = reinterpret_cast<const float*>(ptrs[4]);
+    a.dx = reinterpret_cast<T*>(ptrs[7]);
+    if (ptrs.size() == 9) a.relu_y = reinterpret_cast<const T*>(ptrs[8]);
+    py::gil_scoped_release release;
+    fbn::BnGradApplyCpu(params, a, reinterpret_cast<const float*>(ptrs[5]),
+                        reinterpret_cast<const float*>(ptrs[6]), count, runner, cpu_isa);
+  });
+}
+
+void DefineSplitBindings(py::module_& m) {
+  m.def("validate_split",
+        [](const std::vector<std::vector<int64_t>>& shapes, bool apply, const std::string& format,
+           float epsilon) {
+          const std::vector<const char*> names =
+              apply ? std::vector<const char*>{"scale", "mean", "variance", "sum_dy",
+                                               "sum_dy_xmu"}
+                    : std::vector<const char*>{"mean"};
+          const fbn::BnShape s = ValidateSplit(shapes, names, format, apply ? epsilon : 0.0f);
+          return py::make_tuple(s.outer, s.channels, s.inner);
+        },
+        py::arg("shapes"), py::arg("apply"), py::arg("data_format"), py::arg("epsilon"),
+        "Validates the shapes of the split backward's inputs: (y_backprop, x, mean) for "
+        "reduce, (y_backprop, x, scale, mean, variance, sum_dy, sum_dy_xmu) for apply; "
+        "returns the canonical (outer, channels, inner) view or raises ValueError.");
+  m.def("bn_grad_reduce_cpu_raw", &BnGradReduceCpuRaw, py::arg("dtype"), py::arg("ptrs"),
+        py::arg("shapes"), py::arg("data_format"), py::arg("num_threads"), py::arg("isa"));
+  m.def("bn_grad_apply_cpu_raw", &BnGradApplyCpuRaw, py::arg("dtype"), py::arg("ptrs"),
+        py::arg("shapes"), py::arg("count"), py::arg("data_format"), py::arg("epsilon"),
+        py::arg("num_threads"), py::arg("isa"));
+}
+
 }  // namespace
 
 #ifndef FBN_BUILD_INFO_JSON
@@ -389,4 +502,6 @@ PYBIND11_MODULE(_core, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+  // Split backward (reduce / apply), CPU: see DefineSplitBindings.
+  DefineSplitBindings(m);
 }

@@ -17,6 +17,7 @@ CUDA_MODE = _facts["CUDA_MODE"]    # FBN_GRAD_TF_CUDA at build time: auto, 1 or 
 CUDA_ARCHS = _facts["CUDA_ARCHS"]  # GPU code compiled for
 WITH_ASAN = _facts["WITH_ASAN"]    # AddressSanitizer build
 BUILD = _facts["BUILD"]            # all, core or core-cuda (FBN_GRAD_TF_BUILD)
+SANITIZE = _facts.get("SANITIZE", ["address"] if WITH_ASAN else [])  # sanitizers compiled in
 
 
 def as_dict():

@@ -178,6 +178,8 @@ def _opaque_bn_reason(layer):
                 % type(layer).__name__)
     if isinstance(layer, keras.layers.BatchNormalization) or isinstance(layer, keras.Model):
         return None
+    if not isinstance(layer, keras.layers.Layer):
+        return None  # a plain keras.ops operation in the graph (e.g. x * 2, a mask's NotEqual)
     inner = [sub.name for sub in layer._flatten_layers(include_self=False, recursive=True)
              if isinstance(sub, keras.layers.BatchNormalization)
              and not isinstance(sub, _FbnBN)]
@@ -236,7 +238,7 @@ class _Converter:
 
     def copy_weights(self):
         for old, new in self.pairs:
-            if old.weights:
+            if getattr(old, "weights", None):  # keras.ops operations have none
                 new.set_weights(old.get_weights())
 
     # -- fusion ---------------------------------------------------------------------------

@@ -328,3 +328,84 @@ def _array_library(x):
         import cupy
         return _CuPy(cupy)
     raise TypeError("device arrays must be PyTorch tensors or CuPy arrays, got %s" % type(x))
+
+
+# ---- split backward (reduce / apply), CPU ------------------------------------------------
+# The split entry points of the core (BnGradReduceCpu / BnGradApplyCpu, what the TF ops
+# FbnGrad>BatchNormGradReduce / BatchNormGradApply run): per-channel sums over the local
+# tensor, then x_backprop from sums over `count` elements per channel (all-reduced across
+# replicas in cross-replica batch norm). Training mode, reserve_space_2 = the biased
+# variance (TF's CPU convention). Reduce followed by apply with the local sums and count is
+# bitwise identical to bn_grad's x_backprop.
+
+__all__ += ["bn_grad_reduce", "bn_grad_apply", "validate_split"]
+
+validate_split = _core.validate_split
+
+
+def _split_arrays(y_backprop, x, vectors, relu_y, what):
+    for a in (y_backprop, x):
+        if _is_device_array(a):
+            raise TypeError("%s runs the CPU kernels only (NumPy arrays); got a device array"
+                            % what)
+    dy = np.require(y_backprop, requirements="C")
+    xx = np.require(x, requirements="C")
+    dtype = _dtype_name(xx.dtype)
+    if dy.dtype != xx.dtype:
+        raise TypeError("y_backprop and x must have the same dtype, got %s and %s"
+                        % (dy.dtype, xx.dtype))
+    vecs = [np.require(v, dtype=np.float32, requirements="C") for v in vectors]
+    ry = None
+    if relu_y is not None:
+        ry = np.require(relu_y, requirements="C")
+        if ry.shape != xx.shape or ry.dtype != xx.dtype:
+            raise ValueError("relu_y must have the shape and dtype of x, got %s %s and %s %s"
+                             % (ry.shape, ry.dtype, xx.shape, xx.dtype))
+    return dtype, dy, xx, vecs, ry
+
+
+def bn_grad_reduce(y_backprop, x, mean, data_format="NHWC", num_threads=0, isa="auto",
+                   relu_y=None):
+    """Local per-channel sums of the batch-norm backward (training), as
+    FbnGrad>BatchNormGradReduce: ``sum_dy = sum(y_backprop)``,
+    ``sum_dy_xmu = sum(y_backprop * (x - mean))``.
+
+    Returns ``(sum_dy, sum_dy_xmu, count)``: two float32 [C] arrays and the number of
+    elements per channel (a float, as the op's output). relu_y: as in bn_grad (y_backprop
+    masked with relu_y > 0). NumPy arrays only (CPU kernels).
+    """
+    dtype, dy, xx, (mm,), ry = _split_arrays(y_backprop, x, (mean,), relu_y, "bn_grad_reduce")
+    shapes = [list(a.shape) for a in (dy, xx, mm)]
+    _core.validate_split(shapes, False, data_format, 0.0)
+    channels = mm.shape[0]
+    sums = [np.empty(channels, np.float32) for _ in range(2)]
+    ptrs = [a.ctypes.data for a in (dy, xx, mm, *sums)]
+    if ry is not None:
+        ptrs.append(ry.ctypes.data)
+    count = _core.bn_grad_reduce_cpu_raw(dtype, ptrs, shapes, data_format,
+                                         int(_threads(num_threads)), isa)
+    return sums[0], sums[1], count
+
+
+def bn_grad_apply(y_backprop, x, scale, mean, variance, sum_dy, sum_dy_xmu, count,
+                  epsilon=1e-4, data_format="NHWC", num_threads=0, isa="auto", relu_y=None):
+    """x_backprop of the batch-norm backward (training) from per-channel sums over `count`
+    elements per channel, as FbnGrad>BatchNormGradApply. mean/variance: the batch statistics
+    the forward normalized with (variance biased). count: a finite number >= 1 (a Python
+    number or a 0-d array). relu_y: as in bn_grad. NumPy arrays only (CPU kernels).
+    """
+    dtype, dy, xx, vecs, ry = _split_arrays(
+        y_backprop, x, (scale, mean, variance, sum_dy, sum_dy_xmu), relu_y, "bn_grad_apply")
+    cnt = np.asarray(count)
+    if cnt.ndim != 0:
+        raise ValueError("count must be a scalar, got shape %s"
+                         % ("[" + ",".join(str(d) for d in cnt.shape) + "]"))
+    shapes = [list(a.shape) for a in (dy, xx, *vecs)]
+    _core.validate_split(shapes, True, data_format, float(epsilon))
+    dx = np.empty_like(xx)
+    ptrs = [a.ctypes.data for a in (dy, xx, *vecs, dx)]
+    if ry is not None:
+        ptrs.append(ry.ctypes.data)
+    _core.bn_grad_apply_cpu_raw(dtype, ptrs, shapes, float(cnt), data_format, float(epsilon),
+                                int(_threads(num_threads)), isa)
+    return dx
