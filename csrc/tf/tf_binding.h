@@ -58,7 +58,10 @@ typename CoreType<T>::type* CoreData(tensorflow::Tensor* t) {
 //     helper that a free pool thread picks up joins the claiming, one that starts after the
 //     last block is claimed returns at once; the caller never waits for a helper that has
 //     not started, so a pool busy with another op costs us parallelism, not a stall;
-//   * nothing serializes two of our ops: each call has its own claim state.
+//   * nothing serializes two of our ops: each call has its own claim state; but they share
+//     one budget of workers, as many as the pool has threads (a caller always works, a
+//     helper joins only while the budget has room), so ops that TF runs at the same time
+//     split the cores instead of stacking threads on them.
 // Our earlier private worker pool (one extra thread per intra-op thread, one run at a time)
 // won single-op microbenchmarks but oversubscribed the cores beside TF's threads inside models
 // and queued concurrent BN ops behind each other (see docs/BENCHMARK.md, "Inside models").
@@ -81,10 +84,12 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
     }
     // Small blocks, so that a helper that arrives late still finds work to share.
     const int64_t block = std::max<int64_t>(1, num_tasks / (threads * 8));
-    auto claim = std::make_shared<Claim>(num_tasks, block, &fn);
-    // The caller is one of the `threads` workers; when it is itself a thread of the pool, the
-    // pool has one fewer free thread to offer.
-    for (int64_t i = 1; i < threads; ++i) {
+    auto claim = std::make_shared<Claim>(num_tasks, block, &fn, static_cast<int>(threads));
+    // The caller always works; it counts against the budget of `threads` workers shared by
+    // all our ops in the process, so two of our ops that TF runs at once get one thread each
+    // instead of four threads fighting for two cores (helpers of a busy budget never join).
+    const int busy_before = BusyWorkers().fetch_add(1, std::memory_order_relaxed);
+    for (int64_t i = 1 + busy_before; i < threads; ++i) {
       pool_->Schedule([claim] {
         if (claim->Join()) {
           claim->Drain();
@@ -93,6 +98,7 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
       });
     }
     claim->Drain();
+    BusyWorkers().fetch_sub(1, std::memory_order_relaxed);
     claim->Close();
   }
 
@@ -100,8 +106,8 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
   // One Run's shared state. Shared-owned by the scheduled helpers: a helper may start long
   // after Run returned, and then only reads `closed`.
   struct Claim {
-    Claim(int64_t n, int64_t b, const std::function<void(int64_t, int64_t)>* f)
-        : num_tasks(n), block(b), fn(f) {}
+    Claim(int64_t n, int64_t b, const std::function<void(int64_t, int64_t)>* f, int w)
+        : num_tasks(n), block(b), fn(f), max_workers(w) {}
     // Runs blocks until none is left.
     void Drain() {
       for (;;) {
@@ -112,14 +118,23 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
     }
     // A helper may take part only while the caller has not closed the claim (fn is valid
     // until Close returns).
+    // A helper also needs a free place in the process-wide budget of workers.
     bool Join() {
       if (next.load(std::memory_order_relaxed) >= num_tasks) return false;
+      if (BusyWorkers().fetch_add(1, std::memory_order_relaxed) >= max_workers) {
+        BusyWorkers().fetch_sub(1, std::memory_order_relaxed);
+        return false;
+      }
       std::lock_guard<std::mutex> lk(mu);
-      if (closed) return false;
+      if (closed) {
+        BusyWorkers().fetch_sub(1, std::memory_order_relaxed);
+        return false;
+      }
       ++active;
       return true;
     }
     void Leave() {
+      BusyWorkers().fetch_sub(1, std::memory_order_relaxed);
       std::lock_guard<std::mutex> lk(mu);
       if (--active == 0 && closed) done.notify_all();
     }
@@ -133,12 +148,20 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
     const int64_t num_tasks;
     const int64_t block;
     const std::function<void(int64_t, int64_t)>* const fn;
+    const int max_workers;
     std::atomic<int64_t> next{0};
     std::mutex mu;
     std::condition_variable done;
     int active = 0;
     bool closed = false;
   };
+
+  // Threads working on blocks of any of our ops right now (callers and helpers), in this
+  // library: one budget for the process, like the one intra-op pool it mirrors.
+  static std::atomic<int>& BusyWorkers() {
+    static std::atomic<int> busy{0};
+    return busy;
+  }
 
   tensorflow::thread::ThreadPool* pool_;
 };
