@@ -346,7 +346,8 @@ float BnGradReduceCpuRaw(const std::string& dtype, const std::vector<uintptr_t>&
   if (ptrs.size() != 5 && ptrs.size() != 6) {
     throw py::value_error("expected 5 or 6 buffer addresses");
   }
-  const fbn::BnGradParams params = SplitParams(ValidateSplit(shapes, {"mean"}, format, 0.0f), 0.0f);
+  fbn::BnGradParams params = SplitParams(ValidateSplit(shapes, {"mean"}, format, 0.0f), 0.0f);
+  if (ptrs.size() == 6) params.activation = fbn::Activation::kRelu;  // the fused ReLU's mask
   const fbn::CpuIsa cpu_isa = Isa(isa);
   const fbn::ThreadRunner runner(num_threads);
   WithDtype(dtype, [&](auto* tag) {
@@ -355,7 +356,7 @@ float BnGradReduceCpuRaw(const std::string& dtype, const std::vector<uintptr_t>&
     a.dy = reinterpret_cast<const T*>(ptrs[0]);
     a.x = reinterpret_cast<const T*>(ptrs[1]);
     a.saved_mean = reinterpret_cast<const float*>(ptrs[2]);
-    if (ptrs.size() == 6) a.relu_y = reinterpret_cast<const T*>(ptrs[5]);
+    if (ptrs.size() == 6) a.y = reinterpret_cast<const T*>(ptrs[5]);
     py::gil_scoped_release release;
     fbn::BnGradReduceCpu(params, a, reinterpret_cast<float*>(ptrs[3]),
                          reinterpret_cast<float*>(ptrs[4]), runner, cpu_isa);
@@ -371,10 +372,11 @@ void BnGradApplyCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& p
   if (ptrs.size() != 8 && ptrs.size() != 9) {
     throw py::value_error("expected 8 or 9 buffer addresses");
   }
-  const fbn::BnGradParams params = SplitParams(
+  fbn::BnGradParams params = SplitParams(
       ValidateSplit(shapes, {"scale", "mean", "variance", "sum_dy", "sum_dy_xmu"}, format,
                     epsilon),
       epsilon);
+  if (ptrs.size() == 9) params.activation = fbn::Activation::kRelu;  // the fused ReLU's mask
   if (params.shape.elements() != 0 && !(std::isfinite(count) && count >= 1.0f)) {
     throw py::value_error(
         "count must be a finite number >= 1 (elements per channel over all replicas), got " +
@@ -391,7 +393,7 @@ void BnGradApplyCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& p
     a.saved_mean = reinterpret_cast<const float*>(ptrs[3]);
     a.saved_var = reinterpret_cast<const float*>(ptrs[4]);
     a.dx = reinterpret_cast<T*>(ptrs[7]);
-    if (ptrs.size() == 9) a.relu_y = reinterpret_cast<const T*>(ptrs[8]);
+    if (ptrs.size() == 9) a.y = reinterpret_cast<const T*>(ptrs[8]);
     py::gil_scoped_release release;
     fbn::BnGradApplyCpu(params, a, reinterpret_cast<const float*>(ptrs[5]),
                         reinterpret_cast<const float*>(ptrs[6]), count, runner, cpu_isa);
