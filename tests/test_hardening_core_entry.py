@@ -142,6 +142,42 @@ def _side_input_checks(core, ex, x, kw, isas, stats):
     stats["side_input"] += 1
 
 
+def _fused_backward_checks(core, ex, dy, x, vecs, kw, modes, isas, threads, stats):
+    """The Ex backward (activation modes, side input) through core.bn_grad on every path."""
+    training = ex["training"]
+    gkw = dict(epsilon=ex["epsilon"], data_format=ex["fmt"], is_training=training)
+    for with_side in (False, True):
+        side = (np.full_like(x, 0.25) if with_side else None)
+        for mode in modes:
+            if mode == "identity" and not with_side:
+                continue
+            fo = core.bn_forward(activation=mode, side_input=side, **kw)
+            mean, var = (fo[3], fo[4]) if training else (vecs[2], vecs[3])
+            extra = dict(activation=mode, side_input_backprop=with_side)
+            if mode in ("relu", "relu6"):
+                extra["y"] = fo[0]
+            if mode == "swish":
+                extra["offset"] = kw["offset"]
+            if with_side:
+                extra["side_input"] = side
+            ref = None
+            for isa in isas:
+                for nt in threads:
+                    o = core.bn_grad(dy, x, vecs[0], mean, var, isa=isa, num_threads=nt,
+                                     **gkw, **extra)
+                    if ref is None:
+                        ref = o
+                        continue
+                    for name, a, b in zip(("dx", "dscale", "doffset", "dside"), ref, o):
+                        same(a, b, "backward %s side=%s %s: %s/%d" % (mode, with_side, name,
+                                                                      isa, nt))
+            if with_side:  # dz is what the BN backward saw: the plain backward of dz agrees
+                plain = core.bn_grad(ref[3], x, vecs[0], mean, var, **gkw)
+                for name, a, b in zip(("dx", "dscale", "doffset"), ref, plain):
+                    same(a, b, "backward %s vs plain backward of dz: %s" % (mode, name))
+            stats["fused_backward"] += 1
+
+
 def run_core_entry_fuzz(cfg):
     """Child side (no TF). cfg: {"examples": n, "seed": s, "big_every": k}."""
     core = _import_core_without_tf()
@@ -151,6 +187,7 @@ def run_core_entry_fuzz(cfg):
     stats = {"examples": 0, "forward_rejected": 0, "forward_accepted": 0, "big": 0,
              "bad_activation": 0, "nonfinite": 0, "empty": 0, "compared_reference": 0,
              "backward": 0, "split": 0, "split_rejected": 0, "side_input": 0,
+             "fused_backward": 0,
              "isas": isas, "modes": list(modes), "side_input_hook": side_input}
     big_every = cfg.get("big_every", 25)
 
@@ -222,6 +259,12 @@ def run_core_entry_fuzz(cfg):
         if side_input:
             _side_input_checks(core, ex, x, kw, isas, stats)
 
+        # Backward of every fused mode, with and without a side input: bitwise identical
+        # on every path and thread count, dz = side_input_backprop consistent with the plain
+        # backward of dz.
+        if side_input and x.ndim:
+            _fused_backward_checks(core, ex, dy, x, vecs, kw, modes, isas, threads, stats)
+
         # Backward: fused ReLU's mask (relu_y) and the split entry points.
         scale = vecs[0]
         mean, var = fw["identity"][3], fw["identity"][4]
@@ -268,7 +311,9 @@ def _check_activations(fw, y_id, dtype):
         nan = np.isnan(y)
         for mode, outs in fw.items():
             got = outs[0].astype(np.float64)
-            assert np.array_equal(np.isnan(got), nan), "%s: NaN positions differ" % mode
+            # swish(-inf) = -inf * sigmoid(-inf) = -inf * 0 is NaN (as tf.nn.silu gives).
+            want_nan = nan | np.isneginf(y) if mode in ("swish", "silu") else nan
+            assert np.array_equal(np.isnan(got), want_nan), "%s: NaN positions differ" % mode
             if mode == "identity":
                 continue
             if mode in ("relu", "relu6"):

@@ -50,6 +50,8 @@ def _is_device_array(a):
 #: activation argument (lower case) -> the ops' activation_mode.
 ACTIVATION_MODES = {"identity": "Identity", "relu": "Relu", "relu6": "Relu6",
                     "swish": "Swish", "silu": "Swish"}
+#: The activation modes the kernels implement, one name each (silu is swish).
+ACTIVATIONS = ("identity", "relu", "relu6", "swish")
 
 
 def _activation_mode(activation):
