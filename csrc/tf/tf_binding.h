@@ -64,7 +64,8 @@ typename CoreType<T>::type* CoreData(tensorflow::Tensor* t) {
 //     split the cores instead of stacking threads on them.
 // Our earlier private worker pool (one extra thread per intra-op thread, one run at a time)
 // won single-op microbenchmarks but oversubscribed the cores beside TF's threads inside models
-// and queued concurrent BN ops behind each other (docs/BENCHMARK.md, "Threading" under the --model figures).
+// and queued concurrent BN ops behind each other (docs/BENCHMARK.md: "Threading", under the
+// --model figures).
 // Results do not depend on who runs which block (fixed-order combine): bitwise the same for
 // any thread count and any interleaving.
 class IntraOpPoolRunner final : public fbn::TaskRunner {
