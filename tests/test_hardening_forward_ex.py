@@ -127,10 +127,11 @@ def run_forward_ex_fuzz(cfg):
         kw = dict(x=x, scale=vecs[0], offset=vecs[1] - 1.0, mean=vecs[2], variance=vecs[3],
                   epsilon=ex["epsilon"], exponential_avg_factor=ex["factor"],
                   data_format=ex["fmt"], is_training=ex["training"])
+        ex_kw = dict(kw, side_input=[])  # the Ex ops: no side input here (test_ex_ops.py)
         mode = modes[ex["mode_index"] % len(modes)]
 
         if ex["bad_mode"] is not None:  # the raw op: its attribute's allowed values
-            expect_error(lambda: _loader.raw_forward_ex_op(activation_mode=ex["bad_mode"], **kw),
+            expect_error(lambda: _loader.raw_forward_ex_op(activation_mode=ex["bad_mode"], **ex_kw),
                          tf.errors.InvalidArgumentError, ["activation_mode"],
                          "Ex op, activation_mode=%r" % ex["bad_mode"])
             stats["bad_mode"] += 1
@@ -152,7 +153,7 @@ def run_forward_ex_fuzz(cfg):
         with np.errstate(all="ignore"):
             expect = fwd.model_validate(ex)
         if expect is not None:
-            expect_error(lambda: _loader.raw_forward_ex_op(activation_mode=mode, **kw),
+            expect_error(lambda: _loader.raw_forward_ex_op(activation_mode=mode, **ex_kw),
                          tf.errors.InvalidArgumentError, [expect], "Ex op (%s)" % mode)
             if len(ex["dims"]) in (4, 5):  # (other ranks: TF's shape function refuses first)
                 expect_error(lambda: fbn_grad_tf.fused_batch_norm_v3(
@@ -167,7 +168,7 @@ def run_forward_ex_fuzz(cfg):
         ours = [t.numpy() for t in _loader.raw_forward_op(**kw)]
         fw = {}
         for m in modes:
-            got = [t.numpy() for t in _loader.raw_forward_ex_op(activation_mode=m, **kw)]
+            got = [t.numpy() for t in _loader.raw_forward_ex_op(activation_mode=m, **ex_kw)]
             for i, name in enumerate(("batch_mean", "batch_var", "rs1", "rs2")):
                 same(got[i + 1], ours[i + 1], "Ex(%s) %s vs FusedBatchNormV3" % (m, name))
             mine = core.bn_forward(activation=m.lower(), **kw)
@@ -191,9 +192,10 @@ def run_forward_ex_fuzz(cfg):
                    reserve_space_2=rs2, reserve_space_3=ours[5], epsilon=ex["epsilon"],
                    data_format=ex["fmt"], is_training=ex["training"])
         plain = [t.numpy() for t in fbn_grad_tf.raw_op(**gkw)[:3]]
+        gex_kw = dict(gkw, offset=[kw["offset"]], side_input=[])  # Swish reads the offset
         for m in grad_modes:
             y = fw[m.lower()][0] if m.lower() in fw else ours[0]
-            got = [t.numpy() for t in _loader.raw_grad_ex_op(y=y, activation_mode=m, **gkw)[:3]]
+            got = [t.numpy() for t in _loader.raw_grad_ex_op(y=y, activation_mode=m, **gex_kw)[:3]]
             relu_y = y if m == "Relu" else None
             if m in ("Identity", "Relu"):
                 mine = core.bn_grad(dy, x, vecs[0], rs1, rs2, epsilon=ex["epsilon"],
@@ -210,7 +212,7 @@ def run_forward_ex_fuzz(cfg):
             bad_y = y.reshape(-1)[:0] if ex["bad_y"] == "rank" else np.concatenate([y, y])
             if ex["bad_y"] == "shape" and x.shape[0] == 0:
                 bad_y = np.zeros((1,) + x.shape[1:], x.dtype)
-            expect_error(lambda: _loader.raw_grad_ex_op(y=bad_y, activation_mode="Relu", **gkw),
+            expect_error(lambda: _loader.raw_grad_ex_op(y=bad_y, activation_mode="Relu", **gex_kw),
                          tf.errors.InvalidArgumentError, ["y must have the shape of x"],
                          "GradEx with a y of shape %s" % (bad_y.shape,))
             stats["bad_y"] += 1
