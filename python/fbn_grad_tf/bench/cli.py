@@ -158,6 +158,14 @@ def build_parser():
                         % "x".join(map(str, ModelConfig.pair_shape)))
     m.add_argument("--pair-reps", type=int, metavar="N",
                    help="repetitions of the pair row (default %d)" % ModelConfig.pair_reps)
+    m.add_argument("--trace", action="store_true",
+                   help="also estimate BN's cost from a TF profiler trace: a few extra steps of "
+                        "each BN variant under the profiler, the durations of the ops in BN "
+                        "layers' name scopes summed per step ('sum of BN op times', beside "
+                        "'step - floor'), ratios against TF fused; off by default")
+    m.add_argument("--trace-steps", type=int, metavar="N",
+                   help="profiled steps per BN variant with --trace (default %d; implies "
+                        "--trace)" % ModelConfig.trace_steps)
     p.add_argument("--_worker", choices=("eigen", "onednn"), help=argparse.SUPPRESS)
     p.add_argument("--_config", help=argparse.SUPPRESS)
     return p

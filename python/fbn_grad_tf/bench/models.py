@@ -35,6 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from . import trace as _trace
 from .cases import CorrectnessError, shape_str
 from .timing import Progress, _fmt_duration, configure_threads, measure_bandwidth
 
@@ -73,6 +74,8 @@ class ModelConfig:
     bandwidth_mib: int = 256
     learning_rate: float = 1e-3
     bootstrap: int = 2000           # resamples for the ratios' 95% intervals
+    trace: bool = False             # also sum BN op times in a profiler trace (trace.py)
+    trace_steps: int = 5            # traced steps per BN variant with trace
     progress: bool = True
     seed: int = 1234
 
@@ -466,6 +469,7 @@ def run_one_model(name, config, variants, progress, bandwidth_gbs):
         models[v.key] = _compile(v.build(base), config)
     if "ours" in models:
         facts["fused_path_layers"] = _fused_path_layers(models["ours"])
+    scopes = _trace_scopes(base, models) if config.trace else None
     x = tf.random.stateless_uniform([config.batch, config.size, config.size, 3],
                                     [config.seed, 1], 0.0, 1.0)
     y = tf.random.stateless_uniform([config.batch], [config.seed, 2], 0, config.classes,
@@ -497,6 +501,9 @@ def run_one_model(name, config, variants, progress, bandwidth_gbs):
             steps[k]()
             samples[k].append((time.perf_counter() - t0) * 1e3)
         progress.finish(1)
+    traced = None
+    if config.trace:
+        traced = run_trace(name, steps, variants, samples, scopes, config, progress)
     steps = None
 
     itemsize = POLICY_ITEMSIZE[config.policy]
@@ -509,7 +516,101 @@ def run_one_model(name, config, variants, progress, bandwidth_gbs):
            "first_loss": losses, "loss_check": check, "build_s": round(build_s, 2),
            "trace_s": {k: round(v, 2) for k, v in trace_s.items()},
            "variants": model_stats(samples, variants, config)}
+    if traced is not None:
+        for k, e in traced.pop("variants").items():
+            res["variants"][k]["trace"] = e
+        res["trace"] = traced
     return res
+
+
+# ---- --trace: the sum of BN op times in a profiler trace (trace.py) --------------------------
+
+#: The variant the trace's ratios divide by: the question the trace answers is ours against
+#: TF's fused ops (issue 19: ours / TF fused, lower is better).
+TRACE_RATIO_BASE = "tf_fused"
+
+
+def _trace_scopes(base, models):
+    """Layer names whose name scopes hold BN's ops (every BN layer) and the activation ops
+    counted in BN+act: the Activation/ReLU layers right after a BN, and the layers that
+    fbn_grad_tf.keras.convert absorbed (the activation and Add layers of the model that the
+    converted model lacks: the activation and, for BN+Add+activation, the Add)."""
+    bn = {layer.name for layer in base.layers if _is_bn(layer)}
+    act = set(activations_after_bn(base))
+    conv = models.get("ours_converted")
+    if conv is not None:
+        kinds = _activation_types() + (_keras().layers.Add,)
+        act |= ({layer.name for layer in base.layers if isinstance(layer, kinds)}
+                - {layer.name for layer in conv.layers})
+    return {"bn": bn, "act": act}
+
+
+def run_trace(name, steps, variants, samples, scopes, config, progress):
+    """The BN variants' extra steps under the profiler and their BN op sums per step:
+    {"variants": {key: stats}, and what was traced and counted}."""
+    keys = [v.key for v in variants if v.floor is not None]
+    progress.start("%s: profiler trace of %d steps x %d BN variants (sum of BN op times)"
+                   % (name, config.trace_steps, len(keys)))
+    t0 = time.perf_counter()
+    space, wall, timing = _trace.record(steps, keys, config.trace_steps)
+    progress.finish(1)
+    progress.start("%s: reading the trace (%.1f MB)" % (name, timing["xplane_bytes"] / 1e6))
+    traced_steps, nested = _trace.step_ops(space)
+    space = None
+    sums = _trace.per_variant_sums(traced_steps, keys, scopes["bn"], scopes["act"])
+    progress.finish(1)
+    stats = trace_stats(sums, wall, samples, config)
+    found = sorted({t for e in stats.values() for t in e["op_types"]})
+    return {"variants": stats, "steps_per_variant": config.trace_steps,
+            "host_tracer_level": _trace.HOST_TRACER_LEVEL, "ratio_base": TRACE_RATIO_BASE,
+            "bn_layers": sorted(scopes["bn"]), "act_layers": sorted(scopes["act"]),
+            "op_types_counted": found, "nested_op_events": nested,
+            "xplane_bytes": timing["xplane_bytes"],
+            "profiler_start_s": round(timing["start_s"], 3),
+            "profiler_stop_s": round(timing["stop_s"], 3),
+            "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+def _type_medians(per_step):
+    """{op type: {"ms": median ms per step, "count": median count per step}} over steps (a
+    type missing from a step counts as 0 there)."""
+    types = sorted({t for d in per_step for t in d})
+    return {t: {"ms": float(np.median([d.get(t, (0.0, 0))[0] for d in per_step])),
+                "count": float(np.median([d.get(t, (0.0, 0))[1] for d in per_step]))}
+            for t in types}
+
+
+def trace_stats(sums, wall, samples, config):
+    """Per traced variant: quartiles and samples of bn_ops, bn_act_ops and bn_kernels (ms
+    per step), the op types counted (median ms and count per step), the traced steps' wall
+    time and its ratio to the untraced steps' median (the profiler's overhead), and x_bn_ops,
+    x_bn_act_ops: that variant / TRACE_RATIO_BASE, bootstrap 95% (traced repetitions
+    resampled jointly, as the timed ones)."""
+    rng = np.random.default_rng(config.seed + 1)
+    out = {}
+    for k, per_step in sums.items():
+        if not per_step:
+            raise RuntimeError("the profiler trace has no step of %s" % k)
+        e = {}
+        for what in ("bn_ops", "bn_act_ops", "bn_kernels"):
+            vals = [d[what] for d in per_step]
+            e[what] = _quartiles(vals)
+            e[what]["samples_ms"] = [round(v, 4) for v in vals]
+        e["op_types"] = _type_medians([d["types"] for d in per_step])
+        e["act_op_types"] = _type_medians([d["act_types"] for d in per_step])
+        e["traced_step"] = _quartiles(wall[k])
+        e["traced_step"]["samples_ms"] = [round(v, 3) for v in wall[k]]
+        timed = statistics.median(samples[k]) if samples.get(k) else None
+        e["overhead"] = e["traced_step"]["median_ms"] / timed if timed else None
+        out[k] = e
+    base = out.get(TRACE_RATIO_BASE)
+    for k, e in out.items():
+        if base is None or k == TRACE_RATIO_BASE:
+            continue
+        for what in ("bn_ops", "bn_act_ops"):
+            e["x_" + what] = _bootstrap_ratio(e[what]["samples_ms"], base[what]["samples_ms"],
+                                              config.bootstrap, rng)
+    return out
 
 
 def _pair_steps(config, itemsize_dtype, policy):
@@ -609,7 +710,8 @@ def run_models(config=None, stream=None):
             print("measuring memory bandwidth ...", file=stream or sys.stderr, flush=True)
         bw_meas = measure_bandwidth(threads, mib=config.bandwidth_mib)
         bw = bw_meas["bandwidth"]
-    units = len(config.models) * (1 + len(variants) + config.reps) + (2 if config.pair else 0)
+    units = (len(config.models) * (1 + len(variants) + config.reps + (2 if config.trace else 0))
+             + (2 if config.pair else 0))
     progress = Progress("model", [1] * units, stream=stream, enabled=config.progress)
     meta = {"mode": "model", "tf_version": tf.__version__, "keras_version": _keras().__version__,
             "intra_op_threads": threads, "bandwidth_gbs": bw, "bandwidth": bw_meas,
@@ -657,9 +759,15 @@ def format_model_block(res, meta):
                 if "fused_path_layers" in res else "", res["bn_elements"] / 1e6,
                 res["activations_after_bn"], rf["bytes"] / 1e9, rf["passes"], rf["itemsize"],
                 _f(rf["ms"], "%.3g"), _f(rf["bandwidth_gbs"])))
+    traced = "trace" in res
     cols = [("variant", "<", 10), ("step ms", ">", 8), ("x step", ">", 18),
-            ("BN cost ms [IQR]", ">", 21), ("x BN cost", ">", 18), ("BN share", ">", 8),
-            ("BN+act ms [IQR]", ">", 21), ("x BN+act", ">", 18), ("trace s", ">", 7)]
+            ("BN cost ms [IQR]", ">", 21), ("x BN cost", ">", 18)]
+    if traced:
+        cols += [("BN op sum ms [IQR]", ">", 21), ("op sum / TF fused", ">", 18)]
+    cols += [("BN share", ">", 8), ("BN+act ms [IQR]", ">", 21), ("x BN+act", ">", 18)]
+    if traced:
+        cols += [("BN+act op sum [IQR]", ">", 21), ("op sum / TF fused", ">", 18)]
+    cols += [("trace s", ">", 7)]
 
     def line(vals):
         return "  ".join(("{:%s%d}" % (a, w)).format(v) for (_, a, w), v in zip(cols, vals))
@@ -670,17 +778,69 @@ def format_model_block(res, meta):
         if e is None:
             continue
 
-        def cost(name):
-            c = e.get(name)
-            return "n/a" if c is None else "%.1f [%.1f..%.1f]" % (
-                c["median_ms"], c["q25_ms"], c["q75_ms"])
+        def cost(name, d=e, fmt="%.1f [%.1f..%.1f]"):
+            c = d.get(name)
+            return "n/a" if c is None else fmt % (c["median_ms"], c["q25_ms"], c["q75_ms"])
 
-        out.append(line([meta["variants"][k]["header"], _f(e["step"]["median_ms"]),
-                         "base" if k == RATIO_BASE else _x(e.get("x_step")), cost("cost"),
-                         "base" if k == RATIO_BASE and "cost" in e else _x(e.get("x_cost")),
-                         _f(e.get("share") and 100 * e["share"], "%.0f%%"), cost("cost_act"),
-                         "base" if k == RATIO_BASE and "cost_act" in e
-                         else _x(e.get("x_cost_act")), _f(res["trace_s"].get(k), "%.0f")]))
+        tr = e.get("trace")
+
+        def ops(name):
+            if tr is None:
+                return ["n/a", "n/a"]
+            return [cost(name, tr, "%.2f [%.2f..%.2f]"), "base" if k == TRACE_RATIO_BASE
+                    else _x(tr.get("x_" + name))]
+
+        vals = [meta["variants"][k]["header"], _f(e["step"]["median_ms"]),
+                "base" if k == RATIO_BASE else _x(e.get("x_step")), cost("cost"),
+                "base" if k == RATIO_BASE and "cost" in e else _x(e.get("x_cost"))]
+        if traced:
+            vals += ops("bn_ops")
+        vals += [_f(e.get("share") and 100 * e["share"], "%.0f%%"), cost("cost_act"),
+                 "base" if k == RATIO_BASE and "cost_act" in e else _x(e.get("x_cost_act"))]
+        if traced:
+            vals += ops("bn_act_ops")
+        vals += [_f(res["trace_s"].get(k), "%.0f")]
+        out.append(line(vals))
+    if traced:
+        out.append(format_trace_notes(res, meta))
+    return "\n".join(out)
+
+
+def _types_text(types, show=6):
+    """'SquaredDifference 0.31 ms/53, Tile 0.20 ms/53, ... + 4 more 0.02 ms' (median ms and
+    ops per step), largest first."""
+    items = sorted(types.items(), key=lambda kv: -kv[1]["ms"])
+    text = ", ".join("%s %.2f ms/%d" % (t, d["ms"], round(d["count"])) for t, d in items[:show])
+    if len(items) > show:
+        text += ", + %d more %.2f ms" % (len(items) - show, sum(d["ms"] for _, d in items[show:]))
+    return text or "none"
+
+
+def format_trace_notes(res, meta):
+    """The lines under a traced model's table: what the trace columns are, the profiler's
+    overhead, the BN kernels' share, and the op types counted per variant."""
+    t = res["trace"]
+    v = {k: e["trace"] for k, e in res["variants"].items() if "trace" in e}
+
+    def hdr(k):
+        return meta["variants"][k]["header"]
+
+    out = ["BN op sum, BN+act op sum = sum of BN op times (trace): op durations summed per step "
+           "over %d profiled steps per BN variant, median [IQR]; not step - floor (ops that run "
+           "at once overlap: a sum of op times is not wall time); op sum / TF fused = that "
+           "variant's / TF fused's (<1: less BN op time than TF fused), bootstrap 95%%"
+           % t["steps_per_variant"],
+           "  profiled step / unprofiled step (the profiler's overhead): " + ", ".join(
+               "%s %s" % (hdr(k), _f(e["overhead"], "%.2fx")) for k, e in v.items()),
+           "  of BN ops, the BN kernels (FusedBatchNorm*, FbnGrad>* op types) ms: " + ", ".join(
+               "%s %.2f" % (hdr(k), e["bn_kernels"]["median_ms"]) for k, e in v.items()),
+           "  op types counted in BN layers' scopes (median ms / ops per step):"]
+    for k, e in v.items():
+        out.append("    %-10s %s" % (hdr(k), _types_text(e["op_types"])))
+    out.append("  + in BN+act, the activation/Add layers' scopes (%d layers):"
+               % len(t["act_layers"]))
+    for k, e in v.items():
+        out.append("    %-10s %s" % (hdr(k), _types_text(e["act_op_types"])))
     return "\n".join(out)
 
 
@@ -713,6 +873,14 @@ def summarize_models(results):
             "bn_share": {k: get(k, "share") for k in v if get(k, "share") is not None},
             "roofline_ms": rf,
             "ours_cost_over_roofline": ours_cost / rf if ours_cost and rf else None})
+        if "trace" in res:
+            rows[-1].update({
+                "trace_bn_ops_ms": {k: get(k, "trace", "bn_ops", "median_ms")
+                                    for k in v if get(k, "trace")},
+                "trace_bn_act_ops_ms": {k: get(k, "trace", "bn_act_ops", "median_ms")
+                                        for k in v if get(k, "trace")},
+                "trace_ours_over_tf_bn_ops": get("ours", "trace", "x_bn_ops"),
+                "trace_conv_over_tf_bn_act_ops": get("ours_converted", "trace", "x_bn_act_ops")})
     return rows
 
 
@@ -721,6 +889,9 @@ def format_model_summary(rows):
             ("TF/ours step", ">", 12), ("Keras/ours step", ">", 15), ("TF/ours BN", ">", 10),
             ("Keras/ours BN", ">", 13), ("BN % TF", ">", 7), ("BN % Keras", ">", 10),
             ("BN % ours", ">", 9), ("roofline ms", ">", 11), ("ours/roof", ">", 9)]
+    traced = any("trace_bn_ops_ms" in r for r in rows)
+    if traced:
+        cols += [("ours/TF BN ops (trace)", ">", 22), ("conv/TF BN+act ops", ">", 18)]
 
     def line(vals):
         return "  ".join(("{:%s%d}" % (a, w)).format(v) for (_, a, w), v in zip(cols, vals))
@@ -738,7 +909,9 @@ def format_model_summary(rows):
                          pt(r["cost_tf_over_ours"]), pt(r["cost_keras_over_ours"]),
                          pct(r["bn_share"], "tf_fused"), pct(r["bn_share"], "keras"),
                          pct(r["bn_share"], "ours"), _f(r["roofline_ms"]),
-                         _f(r["ours_cost_over_roofline"], "%.2fx")]))
+                         _f(r["ours_cost_over_roofline"], "%.2fx")]
+                        + ([_x(r.get("trace_ours_over_tf_bn_ops")),
+                            _x(r.get("trace_conv_over_tf_bn_act_ops"))] if traced else [])))
     return "\n".join(out)
 
 
@@ -769,6 +942,13 @@ def model_legend(meta):
         "x BN cost = its median / ours (bootstrap 95% interval)",
         "BN share = BN cost / step; BN+act = step - floor-act's step (BN and the activation "
         "after it); roofline = BN elements x %d passes x itemsize / bandwidth" % BN_PASSES]
+    if meta["config"].get("trace"):
+        lines += [
+            "--trace: BN op sum = sum of BN op times (trace): %d extra steps per BN variant "
+            "under the TF profiler, the durations of the ops in BN layers' name scopes (forward "
+            "and gradient) summed per step; BN+act op sum adds the activation (and absorbed "
+            "Add) layers' ops; op sum / TF fused = variant / TF fused (<1: less BN op time); "
+            "'trace s' is tf.function tracing, not this" % meta["config"]["trace_steps"]]
     return "\n".join(lines)
 
 
@@ -804,7 +984,8 @@ def main_model(args):
         print()
         print(format_model_block(r, meta))
     print()
-    print("Summary (ratios: their step or BN cost / ours; BN %: BN cost / that variant's step):")
+    print("Summary (ratios: their step or BN cost / ours; BN %%: BN cost / that variant's "
+          "step%s):" % ("; trace: ours or ours conv / TF fused" if config.trace else ""))
     print(format_model_summary(summary))
     if res["pair"]:
         print()
@@ -836,7 +1017,7 @@ def model_config_from_args(args):
                        ("reps", args.reps), ("threads", args.threads),
                        ("warmup", args.model_warmup), ("classes", args.classes),
                        ("bandwidth_gbs", args.bandwidth), ("bandwidth_mib", args.bandwidth_mib),
-                       ("pair_reps", args.pair_reps)):
+                       ("pair_reps", args.pair_reps), ("trace_steps", args.trace_steps)):
         if val is not None:
             setattr(cfg, field, val)
     if args.variants:
@@ -847,6 +1028,10 @@ def model_config_from_args(args):
             raise SystemExit("--variants: %s" % e) from None
     if args.no_pair:
         cfg.pair = False
+    if args.trace or args.trace_steps is not None:
+        cfg.trace = True
+    if cfg.trace_steps < 1:
+        raise SystemExit("--trace-steps must be at least 1")
     if args.pair_shape:
         cfg.pair_shape = args.pair_shape
     if args.no_progress:
