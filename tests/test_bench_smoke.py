@@ -1,7 +1,8 @@
 """Smoke test of the benchmark (python -m fbn_grad_tf.bench): its core loop on tiny shapes,
 the built-in correctness check, the merge/table/summary code, and the command line with
 its TF_ENABLE_ONEDNN_OPTS=0 worker subprocess; --layer; --model on a tiny CNN (and the
-variants of a real keras.applications model, cloned, not run). No timing assertions."""
+variants of a real keras.applications model, cloned, not run); --model --trace's profiler
+trace on the tiny CNN and its XSpace reading on a made-up trace. No timing assertions."""
 import json
 import math
 
@@ -482,3 +483,134 @@ def test_model_converted_column_plugs_in(monkeypatch):
     assert conv["cost"]["floor"] == conv["cost_act"]["floor"] == "floor_act"
     assert "x_cost" not in conv and "x_cost_act" in conv and "x_step" in conv
     assert "ours_converted" in res["models"][0]["loss_check"]
+
+
+# ---- --model --trace: the sum of BN op times in a profiler trace --------------------------------
+
+def test_model_trace_tiny(tmp_path, capsys):
+    """--trace on the tiny CNN, 2 profiled steps per BN variant: the per-step sums are positive
+    finite numbers, the op types counted are registered TF ops (ours included), each variant
+    counted its own BN kernels, and the ratios against TF fused are the medians' quotient.
+    No timing assertions."""
+    from tensorflow.python.framework import op_def_registry
+    out = tmp_path / "t.json"
+    rc = bench.main(["--model", "tiny", "--size", "16", "--batch", "4", "--reps", "2",
+                     "--model-warmup", "1", "--bandwidth", "20", "--no-pair", "--no-progress",
+                     "--trace", "--trace-steps", "2", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    for text in ("BN op sum ms [IQR]", "op sum / TF fused", "sum of BN op times (trace)",
+                 "not step - floor", "the profiler's overhead", "ours/TF BN ops (trace)"):
+        assert text in printed, text
+    data = json.loads(out.read_text())
+    assert data["meta"]["config"]["trace"] is True
+    (res,) = data["models"]
+    tr = res["trace"]
+    assert tr["steps_per_variant"] == 2 and tr["host_tracer_level"] == 3
+    assert tr["nested_op_events"] == 0  # nothing counted twice
+    assert tr["bn_layers"] == ["bn0", "bn1", "bn2"]
+    assert {"relu0", "relu1", "relu2"} <= set(tr["act_layers"])
+    for t in tr["op_types_counted"]:
+        assert op_def_registry.get(t) is not None, t
+    v = res["variants"]
+    traced = {k for k, e in v.items() if "trace" in e}
+    assert traced == {k for k in v if bench.models._VARIANTS[k].floor is not None}
+    kernel = bench.models._trace.BN_KERNEL_TYPE
+    for k in traced:
+        e = v[k]["trace"]
+        for what in ("bn_ops", "bn_act_ops", "bn_kernels"):
+            assert len(e[what]["samples_ms"]) == 2
+            assert all(math.isfinite(x) and x >= 0 for x in e[what]["samples_ms"]), (k, what)
+        assert all(x > 0 for x in e["bn_ops"]["samples_ms"]), k
+        for a, b in zip(e["bn_ops"]["samples_ms"], e["bn_act_ops"]["samples_ms"]):
+            assert b >= a
+        assert math.isfinite(e["overhead"]) and e["overhead"] > 0
+        types = set(e["op_types"])
+        if k == "keras":   # Keras 3's BN is unfused TF ops: no BN kernel
+            assert not any(kernel.match(t) for t in types) and "SquaredDifference" in types
+            assert e["bn_kernels"]["median_ms"] == 0
+        else:
+            assert e["bn_kernels"]["median_ms"] > 0
+        if k == "tf_fused":
+            assert any(t.endswith(("FusedBatchNormV3", "FusedBatchNormEx")) for t in types)
+            assert any(t.endswith("FusedBatchNormGradV3") for t in types)
+            assert not any(t.startswith("FbnGrad>") for t in types)
+        if k == "ours":
+            assert {"FbnGrad>FusedBatchNormV3", "FbnGrad>FusedBatchNormGradV3"} <= types
+        if k == "ours_converted":   # BN+ReLU fused: no activation ops left outside the BN op
+            assert {"FbnGrad>FusedBatchNormEx", "FbnGrad>FusedBatchNormGradEx"} <= types
+            assert not e["act_op_types"]
+        if k != "tf_fused":
+            point, lo, hi = e["x_bn_ops"]
+            assert point == pytest.approx(
+                e["bn_ops"]["median_ms"] / v["tf_fused"]["trace"]["bn_ops"]["median_ms"], rel=1e-3)
+            assert lo <= hi
+    (row,) = data["summary"]
+    assert row["trace_ours_over_tf_bn_ops"][0] > 0
+    assert set(row["trace_bn_ops_ms"]) == traced
+
+
+def _xspace(events):
+    """A host plane like the profiler's: events [(line, name, start ns, duration ns, stats)]."""
+    pb2 = bench.models._trace.xplane_pb2()
+    space = pb2.XSpace()
+    plane = space.planes.add(id=0, name=bench.models._trace.HOST_PLANE)
+    ids, lines = {}, {}
+    plane.stat_metadata[1].id, plane.stat_metadata[1].name = 1, "variant"
+    plane.stat_metadata[2].id, plane.stat_metadata[2].name = 2, "rep"
+    plane.stat_metadata[3].id, plane.stat_metadata[3].name = 3, "ours"
+    for line, name, start, dur, stats in events:
+        if name not in ids:
+            ids[name] = len(ids) + 1
+            plane.event_metadata[ids[name]].id = ids[name]
+            plane.event_metadata[ids[name]].name = name
+        if line not in lines:
+            lines[line] = plane.lines.add(id=len(lines), name=line, timestamp_ns=1000)
+        ev = lines[line].events.add(metadata_id=ids[name], offset_ps=start * 1000,
+                                    duration_ps=dur * 1000)
+        for sid, val in stats:
+            s = ev.stats.add(metadata_id=sid)
+            if sid == 1:
+                s.ref_value = val
+            else:
+                s.int64_value = val
+    return space
+
+
+def test_trace_parsing():
+    """The XSpace reading on a made-up trace: ops attributed to the step marker they start
+    in, name scopes matched with Keras' "_<n>" suffix, containers and ops outside any step
+    left out, kernels counted by type."""
+    tr = bench.models._trace
+    step = [(1, 3), (2, 0)]   # variant: ref to stat metadata 3 ("ours"), rep 0
+    space = _xspace([
+        ("python", tr.STEP_MARKER, 0, 1000, step),
+        ("tf_Compute/1", "m_1/bn0_1/FusedBatchNormV3:FbnGrad>FusedBatchNormV3", 10, 100, []),
+        ("tf_Compute/1", "gradient_tape/m_1/bn0_1/G:FbnGrad>FusedBatchNormGradV3", 200, 50, []),
+        ("tf_Compute/2", "m_1/bn0_1/AssignVariableOp:AssignVariableOp", 20, 5, []),
+        ("tf_Compute/2", "m_1/relu0_1/Relu:Relu", 30, 7, []),
+        ("tf_Compute/2", "m_1/bn00_1/Mul:Mul", 40, 3, []),          # not layer bn0
+        ("tf_Compute/2", "m_1/bn0_1/f:StatefulPartitionedCall", 50, 300, []),  # container
+        ("tf_Compute/1", "ThreadpoolListener::Record", 300, 9, []),  # not an op
+        ("tf_Compute/1", "m_1/bn0_1/late:Mul", 2000, 11, []),        # after the step
+    ])
+    steps, nested = tr.step_ops(space)
+    assert nested == 0
+    (s,) = steps
+    assert (s["variant"], s["rep"]) == ("ours", 0)
+    assert len(s["ops"]) == 5
+    sums = tr.step_sums(s["ops"], {"bn0"}, {"relu0"})
+    assert sums["bn_ops"] == pytest.approx(155e-6)        # 100 + 50 + 5 ns, in ms
+    assert sums["bn_act_ops"] == pytest.approx(162e-6)
+    assert sums["bn_kernels"] == pytest.approx(150e-6)
+    assert set(sums["types"]) == {"FbnGrad>FusedBatchNormV3", "FbnGrad>FusedBatchNormGradV3",
+                                  "AssignVariableOp"}
+    assert sums["act_types"] == {"Relu": (pytest.approx(7e-6), 1)}
+    assert tr.per_variant_sums(steps, ["ours"], {"bn0"}, set())["ours"][0]["bn_ops"] == \
+        pytest.approx(155e-6)
+    for t in ("FusedBatchNormV3", "FusedBatchNormGradV3", "_MklNativeFusedBatchNormV3",
+              "_MklNativeFusedBatchNormGradV3", "_MklNativeFusedBatchNormEx", "_FusedBatchNormEx",
+              "FbnGrad>FusedBatchNormGradEx"):
+        assert tr.BN_KERNEL_TYPE.match(t), t
+    for t in ("Mul", "FusedBatchNormish", "BatchNorm"):
+        assert not tr.BN_KERNEL_TYPE.match(t), t
