@@ -5,6 +5,7 @@
     python -m fbn_grad_tf.bench --json r.json --plot r.png
     python -m fbn_grad_tf.bench --layer            # whole BN layer training step (fwd + bwd)
     python -m fbn_grad_tf.bench --model resnet50   # whole-model training steps (models.py)
+    python -m fbn_grad_tf.bench --model resnet50 --trace   # + BN op times from a profiler trace
 
 What one run does (see docs/BENCHMARK.md):
 
@@ -37,6 +38,7 @@ keeps working for every public name of the former single module):
 * runs: run (backward grid, its worker subprocess) and run_layer;
 * report: merge, tables, summaries, plot;
 * models: --model, whole keras.applications models' training steps (see its docstring);
+* trace: --model --trace, the sum of BN op times per step read from a TF profiler trace;
 * cli: the command line (main); __main__ runs it.
 """
 from .cases import (  # noqa: F401

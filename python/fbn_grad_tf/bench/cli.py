@@ -162,7 +162,9 @@ def build_parser():
                    help="also estimate BN's cost from a TF profiler trace: a few extra steps of "
                         "each BN variant under the profiler, the durations of the ops in BN "
                         "layers' name scopes summed per step ('sum of BN op times', beside "
-                        "'step - floor'), ratios against TF fused; off by default")
+                        "'step - floor'; ops that run at once overlap, so it is not wall "
+                        "time), ratios against TF fused; adds those steps plus the profiler's "
+                        "overhead to the run; off by default")
     m.add_argument("--trace-steps", type=int, metavar="N",
                    help="profiled steps per BN variant with --trace (default %d; implies "
                         "--trace)" % ModelConfig.trace_steps)

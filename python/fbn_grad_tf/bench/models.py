@@ -3,6 +3,7 @@
     python -m fbn_grad_tf.bench --model resnet50                     # batch 16, 96x96, float32
     python -m fbn_grad_tf.bench --model resnet50,mobilenetv2,densenet121 --policy mixed_bfloat16
     python -m fbn_grad_tf.bench --model mobilenetv2 --reps 5 --json m.json
+    python -m fbn_grad_tf.bench --model resnet50 --trace              # + sum of BN op times
 
 Per model (``weights=None``, ``classes`` outputs, synthetic data), one process builds every
 variant of MODEL_VARIANTS from the same model (same weights: the clones get the original's
@@ -22,6 +23,16 @@ bootstrap 95% interval (repetitions resampled jointly); and per model its BN mem
 elements over all BN layers x 8 tensor passes x itemsize / the measured bandwidth. The
 "pair" row times two independent BN layers in one tf.function (TF may run them at once)
 against the same two forced into sequence (control dependencies), ours and TF fused.
+
+With --trace (off by default; --trace-steps N, default 5) a second, far less noisy estimate
+of BN's cost follows the timed repetitions: N more steps of each BN variant (not the floors),
+interleaved the same way, under the TF profiler, and per step the sum of the durations of the
+ops in BN layers' name scopes (forward and gradient: TF's FusedBatchNorm ops, ours, Keras 3's
+unfused ops, the moving-average updates), the BN kernels alone (by op type), and BN+act (plus
+the ops of the activation layers after a BN and of the layers convert absorbs). Reported
+beside step - floor as "sum of BN op times (trace)": median [IQR] and the ratio to TF fused
+with a bootstrap interval. Ops that run at once overlap, so a sum of op times is not wall
+time; the profiler's overhead (profiled / unprofiled step) is printed. Details: trace.py.
 """
 import dataclasses
 import math
@@ -837,7 +848,7 @@ def format_trace_notes(res, meta):
            "is compared" % t["steps_per_variant"],
            "  profiled step / unprofiled step (the profiler's overhead): " + ", ".join(
                "%s %s" % (hdr(k), _f(e["overhead"], "%.2fx")) for k, e in v.items()),
-           "  of BN ops, the BN kernels (FusedBatchNorm*, FbnGrad>* op types) ms: " + ", ".join(
+           "  BN kernels alone (op types FusedBatchNorm*, FbnGrad>*) ms: " + ", ".join(
                "%s %.2f" % (hdr(k), e["bn_kernels"]["median_ms"]) for k, e in v.items()),
            "  op types counted in BN layers' scopes (median ms / ops per step):"]
     for k, e in v.items():
