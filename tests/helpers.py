@@ -342,6 +342,11 @@ def run_fuzz_property(prop, stats):
     return stats
 
 
+def fuzz_examples(default):
+    """How many examples a fuzz test runs: FBN_FUZZ_EXAMPLES, else the test's default."""
+    return int(os.environ.get("FBN_FUZZ_EXAMPLES", default))
+
+
 def run_fuzz_child(runner, cfg, timeout):
     """Parent side of a fuzz test: runs runner(cfg) ("module:function") in one child process
     (tests/subproc.py), fails unless it finished cleanly (naming the last example it ran),

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 import subproc
 import test_hardening_forward as fwd
-from helpers import assert_fuzz_coverage, run_fuzz_child, run_fuzz_property
+from helpers import assert_fuzz_coverage, fuzz_examples, run_fuzz_child, run_fuzz_property
 from test_hardening_fuzz import _hyp_settings, _import_core_without_tf, np_dtype
 
 FORMATS = fwd.FORMATS
@@ -392,7 +392,7 @@ SEED = int(os.environ.get("FBN_FUZZ_SEED", "0"))
 
 
 def test_fuzz_core_entry_points():
-    n = int(os.environ.get("FBN_FUZZ_EXAMPLES", 400))
+    n = fuzz_examples(400)
     stats = run_fuzz_child("test_hardening_core_entry:run_core_entry_fuzz",
                            {"examples": n, "seed": SEED, "big_every": 50}, 900)
     assert_fuzz_coverage(stats, min(n, 300),

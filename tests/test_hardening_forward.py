@@ -23,7 +23,7 @@ from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
 import subproc
-from helpers import assert_fuzz_coverage, run_fuzz_child
+from helpers import assert_fuzz_coverage, fuzz_examples, run_fuzz_child
 
 FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -166,7 +166,7 @@ def run_forward_fuzz(cfg):
 
 
 def test_fuzz_forward_op():
-    n = int(os.environ.get("FBN_FUZZ_EXAMPLES", 600))
+    n = fuzz_examples(600)
     stats = run_fuzz_child("test_hardening_forward:run_forward_fuzz",
                            {"examples": n, "seed": SEED}, 900)
     assert_fuzz_coverage(stats, min(n, 500),
@@ -330,7 +330,7 @@ def run_ex_fuzz(cfg):
 
 
 def test_fuzz_ex_ops():
-    n = int(os.environ.get("FBN_FUZZ_EXAMPLES", 400))
+    n = fuzz_examples(400)
     stats = run_fuzz_child("test_hardening_forward:run_ex_fuzz", {"examples": n, "seed": SEED},
                            900)
     assert_fuzz_coverage(stats, min(n, 300),

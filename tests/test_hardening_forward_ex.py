@@ -32,7 +32,7 @@ from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
 import subproc
-from helpers import assert_fuzz_coverage, run_fuzz_child
+from helpers import assert_fuzz_coverage, fuzz_examples, run_fuzz_child
 import test_hardening_forward as fwd
 from test_hardening_core_entry import BAD_ACTIVATIONS, _check_activations, same
 
@@ -223,7 +223,7 @@ def run_forward_ex_fuzz(cfg):
 
 
 def test_fuzz_forward_ex_ops():
-    n = int(os.environ.get("FBN_FUZZ_EXAMPLES", 400))
+    n = fuzz_examples(400)
     stats = run_fuzz_child("test_hardening_forward_ex:run_forward_ex_fuzz",
                            {"examples": n, "seed": SEED}, 900)
     assert_fuzz_coverage(stats, min(n, 300),

@@ -38,7 +38,7 @@ from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
 import subproc
-from helpers import assert_fuzz_coverage, run_fuzz_child, run_fuzz_property
+from helpers import assert_fuzz_coverage, fuzz_examples, run_fuzz_child, run_fuzz_property
 
 FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
 RANK = {"NHWC": 4, "NCHW": 4, "NDHWC": 5, "NCDHW": 5}
@@ -507,19 +507,15 @@ def run_core_fuzz(cfg):
 SEED = int(os.environ.get("FBN_FUZZ_SEED", "0"))
 
 
-def _examples(default):
-    return int(os.environ.get("FBN_FUZZ_EXAMPLES", default))
-
-
 def test_fuzz_tf_op():
-    n = _examples(2200)
+    n = fuzz_examples(2200)
     stats = run_fuzz_child("test_hardening_fuzz:run_tf_fuzz", {"examples": n, "seed": SEED}, 900)
     assert_fuzz_coverage(stats, min(n, 2000),
                          shares={"rejected_as_expected": 0.15, "compared_tf": 0.3})
 
 
 def test_fuzz_core():
-    n = _examples(2500)
+    n = fuzz_examples(2500)
     stats = run_fuzz_child("test_hardening_fuzz:run_core_fuzz",
                            {"examples": n, "seed": SEED, "big_every": 40}, 900)
     assert_fuzz_coverage(stats, min(n, 2000), shares={"compared_reference": 0.3})
@@ -528,13 +524,13 @@ def test_fuzz_core():
 @pytest.mark.slow
 def test_fuzz_tf_op_long():
     stats = run_fuzz_child("test_hardening_fuzz:run_tf_fuzz",
-                           {"examples": _examples(30000), "seed": SEED + 1}, 3600)
+                           {"examples": fuzz_examples(30000), "seed": SEED + 1}, 3600)
     assert_fuzz_coverage(stats, 10000)
 
 
 @pytest.mark.slow
 def test_fuzz_core_long():
     stats = run_fuzz_child("test_hardening_fuzz:run_core_fuzz",
-                           {"examples": _examples(30000), "seed": SEED + 1, "big_every": 10},
+                           {"examples": fuzz_examples(30000), "seed": SEED + 1, "big_every": 10},
                            3600)
     assert_fuzz_coverage(stats, 10000)
