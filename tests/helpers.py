@@ -14,6 +14,7 @@ Conventions
 """
 import collections
 import os
+import time
 
 import ml_dtypes
 import numpy as np
@@ -318,6 +319,57 @@ def assert_bitwise_equal(a, b, what=""):
     assert not np.any(ne), "%s: %d of %d elements differ, first at %s: %r vs %r" % (
         what, int(ne.sum()), a.size, np.argwhere(ne)[0], a[tuple(np.argwhere(ne)[0])],
         b[tuple(np.argwhere(ne)[0])])
+
+
+# ---- fuzz loops (tests/test_hardening_*.py) ----------------------------------------------------
+
+def _with_notes(e):
+    notes = getattr(e, "__notes__", None) or []
+    return AssertionError("%s: %s\n%s" % (type(e).__name__, e, "\n".join(notes)))
+
+
+def run_fuzz_property(prop, stats):
+    """Child side of a fuzz test: runs the hypothesis property prop(), records how long it
+    took in stats["seconds"] and returns stats. A failure comes out as an AssertionError
+    whose message carries hypothesis' notes (the falsifying example), since only the
+    message reaches the parent."""
+    t0 = time.monotonic()
+    try:
+        prop()
+    except BaseException as e:  # noqa: BLE001
+        raise _with_notes(e) from None
+    stats["seconds"] = round(time.monotonic() - t0, 1)
+    return stats
+
+
+def fuzz_examples(default):
+    """How many examples a fuzz test runs: FBN_FUZZ_EXAMPLES, else the test's default."""
+    return int(os.environ.get("FBN_FUZZ_EXAMPLES", default))
+
+
+def run_fuzz_child(runner, cfg, timeout):
+    """Parent side of a fuzz test: runs runner(cfg) ("module:function") in one child process
+    (tests/subproc.py), fails unless it finished cleanly (naming the last example it ran),
+    prints the statistics it returned and returns them."""
+    import subproc
+    (o,) = subproc.run_cases(runner, [cfg], timeout=timeout)
+    assert o.status == "ok", "fuzz failed (%s): %s\nlast example: %r" % (
+        o.status, o.message or o.detail, o.last_note)
+    print("fuzz stats:", o.value)
+    return o.value
+
+
+def assert_fuzz_coverage(stats, min_examples, shares=None, seen=()):
+    """A fuzz loop's statistics show it tested what it should: at least min_examples
+    examples; for each key: share of shares, more than that share of the examples counted
+    under key; for each key of seen, at least one."""
+    assert stats["examples"] >= min_examples, "%d examples, wanted %d" % (
+        stats["examples"], min_examples)
+    for key, share in (shares or {}).items():
+        assert stats[key] > share * stats["examples"], "%s: %d of %d examples" % (
+            key, stats[key], stats["examples"])
+    for key in seen:
+        assert stats[key] > 0, key
 
 
 # ---- subprocesses ---------------------------------------------------------------------------

@@ -24,7 +24,6 @@ Values are compared NaN-aware (two NaNs match whatever their payload bits).
 import inspect
 import math
 import os
-import time
 
 import numpy as np
 from hypothesis import given
@@ -33,7 +32,8 @@ from hypothesis import strategies as st
 
 import subproc
 import test_hardening_forward as fwd
-from test_hardening_fuzz import _hyp_settings, _import_core_without_tf, _with_notes, np_dtype
+from helpers import assert_fuzz_coverage, fuzz_examples, run_fuzz_child, run_fuzz_property
+from test_hardening_fuzz import _hyp_settings, _import_core_without_tf, np_dtype
 
 FORMATS = fwd.FORMATS
 BAD_ACTIVATIONS = ("relu7", "sigmoid", "", "identity ", "re lu", "tanh", "linear")
@@ -294,13 +294,7 @@ def run_core_entry_fuzz(cfg):
                     same(a, b, "relu_y mask vs masked y_backprop: %s" % name)
             stats["backward"] += 1
 
-    t0 = time.monotonic()
-    try:
-        prop()
-    except BaseException as e:  # noqa: BLE001
-        raise _with_notes(e) from None
-    stats["seconds"] = round(time.monotonic() - t0, 1)
-    return stats
+    return run_fuzz_property(prop, stats)
 
 
 def _check_activations(fw, y_id, dtype):
@@ -398,15 +392,10 @@ SEED = int(os.environ.get("FBN_FUZZ_SEED", "0"))
 
 
 def test_fuzz_core_entry_points():
-    n = int(os.environ.get("FBN_FUZZ_EXAMPLES", 400))
-    (o,) = subproc.run_cases("test_hardening_core_entry:run_core_entry_fuzz",
-                             [{"examples": n, "seed": SEED, "big_every": 50}], timeout=900)
-    assert o.status == "ok", "fuzz failed (%s): %s\nlast example: %r" % (
-        o.status, o.message or o.detail, o.last_note)
-    stats = o.value
-    print("fuzz stats:", stats)
-    assert stats["examples"] >= min(n, 300)
-    assert stats["forward_rejected"] > 0.05 * stats["examples"]
-    assert stats["forward_accepted"] > 0.4 * stats["examples"]
-    assert stats["split"] > 0 and stats["split_rejected"] > 0
-    assert stats["bad_activation"] > 0 and stats["nonfinite"] > 0 and stats["empty"] > 0
+    n = fuzz_examples(400)
+    stats = run_fuzz_child("test_hardening_core_entry:run_core_entry_fuzz",
+                           {"examples": n, "seed": SEED, "big_every": 50}, 900)
+    assert_fuzz_coverage(stats, min(n, 300),
+                         shares={"forward_rejected": 0.05, "forward_accepted": 0.4},
+                         seen=("split", "split_rejected", "bad_activation", "nonfinite",
+                               "empty"))

@@ -23,6 +23,7 @@ from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
 import subproc
+from helpers import assert_fuzz_coverage, fuzz_examples, run_fuzz_child
 
 FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -165,15 +166,11 @@ def run_forward_fuzz(cfg):
 
 
 def test_fuzz_forward_op():
-    n = int(os.environ.get("FBN_FUZZ_EXAMPLES", 600))
-    (o,) = subproc.run_cases("test_hardening_forward:run_forward_fuzz",
-                             [{"examples": n, "seed": SEED}], timeout=900)
-    assert o.status == "ok", "fuzz failed (%s): %s\nlast example: %r" % (
-        o.status, o.message or o.detail, o.last_note)
-    stats = o.value
-    assert stats["examples"] >= min(n, 500)
-    assert stats["rejected_as_expected"] > 0.1 * stats["examples"]
-    assert stats["compared_tf"] > 0.25 * stats["examples"]
+    n = fuzz_examples(600)
+    stats = run_fuzz_child("test_hardening_forward:run_forward_fuzz",
+                           {"examples": n, "seed": SEED}, 900)
+    assert_fuzz_coverage(stats, min(n, 500),
+                         shares={"rejected_as_expected": 0.1, "compared_tf": 0.25})
 
 
 # ---- the fused ops (side input, activation) ---------------------------------------------------
@@ -333,12 +330,8 @@ def run_ex_fuzz(cfg):
 
 
 def test_fuzz_ex_ops():
-    n = int(os.environ.get("FBN_FUZZ_EXAMPLES", 400))
-    (o,) = subproc.run_cases("test_hardening_forward:run_ex_fuzz",
-                             [{"examples": n, "seed": SEED}], timeout=900)
-    assert o.status == "ok", "fuzz failed (%s): %s\nlast example: %r" % (
-        o.status, o.message or o.detail, o.last_note)
-    stats = o.value
-    assert stats["examples"] >= min(n, 300)
-    assert stats["rejected_as_expected"] > 0.1 * stats["examples"]
-    assert stats["computed"] > 0.3 * stats["examples"]
+    n = fuzz_examples(400)
+    stats = run_fuzz_child("test_hardening_forward:run_ex_fuzz", {"examples": n, "seed": SEED},
+                           900)
+    assert_fuzz_coverage(stats, min(n, 300),
+                         shares={"rejected_as_expected": 0.1, "computed": 0.3})

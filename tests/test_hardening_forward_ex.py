@@ -32,6 +32,7 @@ from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
 import subproc
+from helpers import assert_fuzz_coverage, fuzz_examples, run_fuzz_child
 import test_hardening_forward as fwd
 from test_hardening_core_entry import BAD_ACTIVATIONS, _check_activations, same
 
@@ -222,15 +223,10 @@ def run_forward_ex_fuzz(cfg):
 
 
 def test_fuzz_forward_ex_ops():
-    n = int(os.environ.get("FBN_FUZZ_EXAMPLES", 400))
-    (o,) = subproc.run_cases("test_hardening_forward_ex:run_forward_ex_fuzz",
-                             [{"examples": n, "seed": SEED}], timeout=900)
-    assert o.status == "ok", "fuzz failed (%s): %s\nlast example: %r" % (
-        o.status, o.message or o.detail, o.last_note)
-    stats = o.value
-    print("fuzz stats:", stats)
-    assert stats["examples"] >= min(n, 300)
-    assert stats["rejected_as_expected"] > 0.1 * stats["examples"]
-    assert stats["accepted"] > 0.4 * stats["examples"]
-    for key in ("bad_mode", "bad_activation", "nonfinite", "empty", "grad_checked", "bad_y"):
-        assert stats[key] > 0, key
+    n = fuzz_examples(400)
+    stats = run_fuzz_child("test_hardening_forward_ex:run_forward_ex_fuzz",
+                           {"examples": n, "seed": SEED}, 900)
+    assert_fuzz_coverage(stats, min(n, 300),
+                         shares={"rejected_as_expected": 0.1, "accepted": 0.4},
+                         seen=("bad_mode", "bad_activation", "nonfinite", "empty",
+                               "grad_checked", "bad_y"))

@@ -29,7 +29,6 @@ FBN_FUZZ_EXAMPLES overrides the number of examples.
 """
 import math
 import os
-import time
 import zlib
 
 import numpy as np
@@ -39,6 +38,7 @@ from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
 import subproc
+from helpers import assert_fuzz_coverage, fuzz_examples, run_fuzz_child, run_fuzz_property
 
 FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
 RANK = {"NHWC": 4, "NCHW": 4, "NDHWC": 5, "NCDHW": 5}
@@ -288,11 +288,6 @@ def _hyp_settings(n):
                     phases=[Phase.generate, Phase.shrink])
 
 
-def _with_notes(e):
-    notes = getattr(e, "__notes__", None) or []
-    return AssertionError("%s: %s\n%s" % (type(e).__name__, e, "\n".join(notes)))
-
-
 # ---- child: fuzz through TensorFlow ----------------------------------------------------
 
 def run_tf_fuzz(cfg):
@@ -431,13 +426,7 @@ def run_tf_fuzz(cfg):
             for nm, a, b in zip(("dx", "dscale", "doffset"), out[:3], aout[:3]):
                 _bitwise_equal("api " + nm, a.numpy(), b.numpy())
 
-    t0 = time.monotonic()
-    try:
-        prop()
-    except BaseException as e:  # noqa: BLE001
-        raise _with_notes(e) from None
-    stats["seconds"] = round(time.monotonic() - t0, 1)
-    return stats
+    return run_fuzz_property(prop, stats)
 
 
 # ---- child: fuzz the framework-free core (no TensorFlow) -------------------------------
@@ -510,13 +499,7 @@ def run_core_fuzz(cfg):
         else:
             stats["not_comparable"] += 1
 
-    t0 = time.monotonic()
-    try:
-        prop()
-    except BaseException as e:  # noqa: BLE001
-        raise _with_notes(e) from None
-    stats["seconds"] = round(time.monotonic() - t0, 1)
-    return stats
+    return run_fuzz_property(prop, stats)
 
 
 # ---- parent side --------------------------------------------------------------------
@@ -524,43 +507,30 @@ def run_core_fuzz(cfg):
 SEED = int(os.environ.get("FBN_FUZZ_SEED", "0"))
 
 
-def _examples(default):
-    return int(os.environ.get("FBN_FUZZ_EXAMPLES", default))
-
-
-def _run(runner, cfg, timeout):
-    (o,) = subproc.run_cases(runner, [cfg], timeout=timeout)
-    assert o.status == "ok", "fuzz failed (%s): %s\nlast example: %r" % (
-        o.status, o.message or o.detail, o.last_note)
-    print("fuzz stats:", o.value)
-    return o.value
-
-
 def test_fuzz_tf_op():
-    n = _examples(2200)
-    stats = _run("test_hardening_fuzz:run_tf_fuzz", {"examples": n, "seed": SEED}, 900)
-    assert stats["examples"] >= min(n, 2000)
-    assert stats["rejected_as_expected"] > 0.15 * stats["examples"]
-    assert stats["compared_tf"] > 0.3 * stats["examples"]
+    n = fuzz_examples(2200)
+    stats = run_fuzz_child("test_hardening_fuzz:run_tf_fuzz", {"examples": n, "seed": SEED}, 900)
+    assert_fuzz_coverage(stats, min(n, 2000),
+                         shares={"rejected_as_expected": 0.15, "compared_tf": 0.3})
 
 
 def test_fuzz_core():
-    n = _examples(2500)
-    stats = _run("test_hardening_fuzz:run_core_fuzz",
-                 {"examples": n, "seed": SEED, "big_every": 40}, 900)
-    assert stats["examples"] >= min(n, 2000)
-    assert stats["compared_reference"] > 0.3 * stats["examples"]
+    n = fuzz_examples(2500)
+    stats = run_fuzz_child("test_hardening_fuzz:run_core_fuzz",
+                           {"examples": n, "seed": SEED, "big_every": 40}, 900)
+    assert_fuzz_coverage(stats, min(n, 2000), shares={"compared_reference": 0.3})
 
 
 @pytest.mark.slow
 def test_fuzz_tf_op_long():
-    stats = _run("test_hardening_fuzz:run_tf_fuzz",
-                 {"examples": _examples(30000), "seed": SEED + 1}, 3600)
-    assert stats["examples"] >= 10000
+    stats = run_fuzz_child("test_hardening_fuzz:run_tf_fuzz",
+                           {"examples": fuzz_examples(30000), "seed": SEED + 1}, 3600)
+    assert_fuzz_coverage(stats, 10000)
 
 
 @pytest.mark.slow
 def test_fuzz_core_long():
-    stats = _run("test_hardening_fuzz:run_core_fuzz",
-                 {"examples": _examples(30000), "seed": SEED + 1, "big_every": 10}, 3600)
-    assert stats["examples"] >= 10000
+    stats = run_fuzz_child("test_hardening_fuzz:run_core_fuzz",
+                           {"examples": fuzz_examples(30000), "seed": SEED + 1, "big_every": 10},
+                           3600)
+    assert_fuzz_coverage(stats, 10000)

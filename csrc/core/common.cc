@@ -366,16 +366,13 @@ WorkerPool* WorkerPool::instance_ = nullptr;
 void ThreadRunner::Run(int64_t num_tasks, int64_t cost_per_task,
                        const std::function<void(int64_t, int64_t)>& fn) const {
   if (num_tasks <= 0) return;
-  // Below ~64K elements of work waking a thread costs more than it saves.
-  const int64_t total = num_tasks * (cost_per_task > 0 ? cost_per_task : 1);
-  int64_t threads = std::min<int64_t>(num_threads_, num_tasks);
-  if (total < 65536) threads = 1;
+  const int64_t threads = TaskThreads(num_tasks, cost_per_task, num_threads_);
   if (threads <= 1) {
     fn(0, num_tasks);
     return;
   }
   // Dynamic claiming of small blocks: any partition gives the same result.
-  const int64_t block = std::max<int64_t>(1, num_tasks / (threads * 8));
+  const int64_t block = TaskBlock(num_tasks, threads);
   std::atomic<int64_t> next{0};
   const std::function<void()> worker = [&]() {
     for (;;) {

@@ -125,6 +125,23 @@ class TaskRunner {
                    const std::function<void(int64_t, int64_t)>& fn) const = 0;
 };
 
+// The scheduling rules every runner follows (ThreadRunner below and the TF ops'
+// IntraOpPoolRunner, csrc/tf/tf_binding.h). Below kMinParallelElems elements of work
+// (num_tasks * cost_per_task) waking a thread costs more than it saves: the caller runs it all.
+constexpr int64_t kMinParallelElems = 65536;
+// How many threads to use, at most max_threads and one a task; 1: run inline.
+inline int64_t TaskThreads(int64_t num_tasks, int64_t cost_per_task, int64_t max_threads) {
+  const int64_t total = num_tasks * (cost_per_task > 0 ? cost_per_task : 1);
+  if (total < kMinParallelElems) return 1;
+  return max_threads < num_tasks ? max_threads : num_tasks;
+}
+// Tasks per claimed block: small blocks (8 a thread), so that a thread that arrives late
+// still finds work to share.
+inline int64_t TaskBlock(int64_t num_tasks, int64_t threads) {
+  const int64_t block = num_tasks / (threads * 8);
+  return block > 1 ? block : 1;
+}
+
 // Runs tasks on up to `num_threads` threads (1 = inline; the others from a process-wide pool
 // of worker threads, started on first use and reused). Used by the pybind11 module and by
 // the TF ops (sized there by TF's intra-op pool: IntraOpThreads in csrc/tf/tf_binding.h).

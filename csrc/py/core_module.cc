@@ -79,27 +79,62 @@ void ValidateGradEx(const std::vector<std::vector<int64_t>>& shapes, const fbn::
   if (!v.ok) throw py::value_error(v.error);
 }
 
-// Addresses of dy, x, scale, rs1, rs2, dx, dscale, doffset[, y, offset, side_input,
-// side_input_backprop (0: absent)].
+// Where a binding's address list holds each buffer of BnGradArgs: a position, or -1 where
+// the binding has no such buffer. The list has either `required` addresses or `all`; a
+// position at or past the list's end is an optional buffer the caller left out (null).
+struct GradArgSlots {
+  size_t required, all;
+  int dy, x, scale, saved_mean, saved_var, dx, dscale, doffset;
+  int y, offset, side_input, side_input_backprop;
+};
+
+// The address lists of the backward bindings:
+//   bn_grad_*_raw: dy, x, scale, rs1, rs2, dx, dscale, doffset[, y, offset, side_input,
+//     side_input_backprop (0: absent)];
+//   bn_grad_reduce_cpu_raw: dy, x, mean, sum_dy (out), sum_dy_xmu (out)[, relu_y];
+//   bn_grad_apply_cpu_raw: dy, x, scale, mean, variance, sum_dy, sum_dy_xmu, dx (out)
+//     [, relu_y].
+// The split ops' sums are not BnGradArgs buffers: their bindings pass them themselves.
+// Columns in GradArgSlots' order: required, all; dy, x, scale, saved_mean, saved_var, dx,
+// dscale, doffset; y, offset, side_input, side_input_backprop.
+constexpr GradArgSlots kGradSlots   = {8, 12,  0, 1,  2, 3,  4,  5,  6,  7,   8,  9, 10, 11};
+constexpr GradArgSlots kReduceSlots = {5,  6,  0, 1, -1, 2, -1, -1, -1, -1,   5, -1, -1, -1};
+constexpr GradArgSlots kApplySlots  = {8,  9,  0, 1,  2, 3,  4,  7, -1, -1,   8, -1, -1, -1};
+
+// ValueError unless the address list `p` has as many addresses as `at` allows.
+void CheckAddressCount(const std::vector<uintptr_t>& p, const GradArgSlots& at) {
+  if (p.size() != at.required && p.size() != at.all) {
+    throw py::value_error("expected " + std::to_string(at.required) + " or " +
+                          std::to_string(at.all) + " buffer addresses");
+  }
+}
+
+// The BnGradArgs of the addresses `p` laid out as `at` says (CheckAddressCount first).
+template <typename T>
+fbn::BnGradArgs<T> ArgsAt(const std::vector<uintptr_t>& p, const GradArgSlots& at) {
+  CheckAddressCount(p, at);
+  const auto addr = [&](int i) {
+    return i >= 0 && static_cast<size_t>(i) < p.size() ? p[i] : uintptr_t{0};
+  };
+  fbn::BnGradArgs<T> a;
+  a.dy = reinterpret_cast<const T*>(addr(at.dy));
+  a.x = reinterpret_cast<const T*>(addr(at.x));
+  a.scale = reinterpret_cast<const float*>(addr(at.scale));
+  a.saved_mean = reinterpret_cast<const float*>(addr(at.saved_mean));
+  a.saved_var = reinterpret_cast<const float*>(addr(at.saved_var));
+  a.dx = reinterpret_cast<T*>(addr(at.dx));
+  a.dscale = reinterpret_cast<float*>(addr(at.dscale));
+  a.doffset = reinterpret_cast<float*>(addr(at.doffset));
+  a.y = reinterpret_cast<const T*>(addr(at.y));
+  a.offset = reinterpret_cast<const float*>(addr(at.offset));
+  a.side_input = reinterpret_cast<const T*>(addr(at.side_input));
+  a.side_input_backprop = reinterpret_cast<T*>(addr(at.side_input_backprop));
+  return a;
+}
+
 template <typename T>
 fbn::BnGradArgs<T> Args(const std::vector<uintptr_t>& p) {
-  if (p.size() != 8 && p.size() != 12) throw py::value_error("expected 8 or 12 buffer addresses");
-  fbn::BnGradArgs<T> a;
-  a.dy = reinterpret_cast<const T*>(p[0]);
-  a.x = reinterpret_cast<const T*>(p[1]);
-  a.scale = reinterpret_cast<const float*>(p[2]);
-  a.saved_mean = reinterpret_cast<const float*>(p[3]);
-  a.saved_var = reinterpret_cast<const float*>(p[4]);
-  a.dx = reinterpret_cast<T*>(p[5]);
-  a.dscale = reinterpret_cast<float*>(p[6]);
-  a.doffset = reinterpret_cast<float*>(p[7]);
-  if (p.size() == 12) {
-    a.y = reinterpret_cast<const T*>(p[8]);
-    a.offset = reinterpret_cast<const float*>(p[9]);
-    a.side_input = reinterpret_cast<const T*>(p[10]);
-    a.side_input_backprop = reinterpret_cast<T*>(p[11]);
-  }
-  return a;
+  return ArgsAt<T>(p, kGradSlots);
 }
 
 // Calls fn(T{}) with the core storage type named by dtype (a null pointer of it).
@@ -109,6 +144,23 @@ auto WithDtype(const std::string& dtype, Fn&& fn) {
   if (dtype == "float16") return fn(static_cast<fbn::half_t*>(nullptr));
   if (dtype == "bfloat16") return fn(static_cast<fbn::bfloat16_t*>(nullptr));
   throw py::type_error("dtype must be float32, float16 or bfloat16, got " + dtype);
+}
+
+// What every CPU backward binding does once its params are validated: picks the ISA path
+// and the runner, takes the BnGradArgs of dtype from the addresses laid out as `slots`, and
+// runs kernel(args, runner, isa) with the GIL released.
+template <typename Kernel>
+void RunGradCpu(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
+                const GradArgSlots& slots, int num_threads, const std::string& isa,
+                Kernel&& kernel) {
+  const fbn::CpuIsa cpu_isa = Isa(isa);
+  const fbn::ThreadRunner runner(num_threads);
+  WithDtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const fbn::BnGradArgs<T> args = ArgsAt<T>(ptrs, slots);
+    py::gil_scoped_release release;
+    kernel(args, runner, cpu_isa);
+  });
 }
 
 // ---- forward -------------------------------------------------------------------------------
@@ -221,19 +273,10 @@ void BnGradCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
                   const std::vector<bool>& present) {
   const fbn::BnGradParams params =
       GradParams(shapes, format, epsilon, is_training, saved_stat, activation, present);
-  const fbn::CpuIsa cpu_isa = Isa(isa);
-  const fbn::ThreadRunner runner(num_threads);
-  py::gil_scoped_release release;
-  if (dtype == "float32") {
-    fbn::BnGradCpu(params, Args<float>(ptrs), runner, cpu_isa);
-  } else if (dtype == "float16") {
-    fbn::BnGradCpu(params, Args<fbn::half_t>(ptrs), runner, cpu_isa);
-  } else if (dtype == "bfloat16") {
-    fbn::BnGradCpu(params, Args<fbn::bfloat16_t>(ptrs), runner, cpu_isa);
-  } else {
-    py::gil_scoped_acquire acquire;
-    throw py::type_error("dtype must be float32, float16 or bfloat16, got " + dtype);
-  }
+  RunGradCpu(dtype, ptrs, kGradSlots, num_threads, isa,
+             [&](const auto& args, const fbn::TaskRunner& runner, fbn::CpuIsa cpu_isa) {
+               fbn::BnGradCpu(params, args, runner, cpu_isa);
+             });
 }
 
 #if FBN_WITH_CUDA
@@ -343,24 +386,15 @@ fbn::BnGradParams SplitParams(const fbn::BnShape& s, float epsilon) {
 float BnGradReduceCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
                          const std::vector<std::vector<int64_t>>& shapes,
                          const std::string& format, int num_threads, const std::string& isa) {
-  if (ptrs.size() != 5 && ptrs.size() != 6) {
-    throw py::value_error("expected 5 or 6 buffer addresses");
-  }
+  const GradArgSlots& slots = kReduceSlots;
+  CheckAddressCount(ptrs, slots);  // before the count of addresses picks the activation
   fbn::BnGradParams params = SplitParams(ValidateSplit(shapes, {"mean"}, format, 0.0f), 0.0f);
   if (ptrs.size() == 6) params.activation = fbn::Activation::kRelu;  // the fused ReLU's mask
-  const fbn::CpuIsa cpu_isa = Isa(isa);
-  const fbn::ThreadRunner runner(num_threads);
-  WithDtype(dtype, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    fbn::BnGradArgs<T> a;
-    a.dy = reinterpret_cast<const T*>(ptrs[0]);
-    a.x = reinterpret_cast<const T*>(ptrs[1]);
-    a.saved_mean = reinterpret_cast<const float*>(ptrs[2]);
-    if (ptrs.size() == 6) a.y = reinterpret_cast<const T*>(ptrs[5]);
-    py::gil_scoped_release release;
-    fbn::BnGradReduceCpu(params, a, reinterpret_cast<float*>(ptrs[3]),
-                         reinterpret_cast<float*>(ptrs[4]), runner, cpu_isa);
-  });
+  RunGradCpu(dtype, ptrs, slots, num_threads, isa,
+             [&](const auto& args, const fbn::TaskRunner& runner, fbn::CpuIsa cpu_isa) {
+               fbn::BnGradReduceCpu(params, args, reinterpret_cast<float*>(ptrs[3]),
+                                    reinterpret_cast<float*>(ptrs[4]), runner, cpu_isa);
+             });
   return static_cast<float>(params.shape.per_channel());
 }
 
@@ -369,9 +403,8 @@ void BnGradApplyCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& p
                        const std::vector<std::vector<int64_t>>& shapes, float count,
                        const std::string& format, float epsilon, int num_threads,
                        const std::string& isa) {
-  if (ptrs.size() != 8 && ptrs.size() != 9) {
-    throw py::value_error("expected 8 or 9 buffer addresses");
-  }
+  const GradArgSlots& slots = kApplySlots;
+  CheckAddressCount(ptrs, slots);  // before the count of addresses picks the activation
   fbn::BnGradParams params = SplitParams(
       ValidateSplit(shapes, {"scale", "mean", "variance", "sum_dy", "sum_dy_xmu"}, format,
                     epsilon),
@@ -382,22 +415,12 @@ void BnGradApplyCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& p
         "count must be a finite number >= 1 (elements per channel over all replicas), got " +
         py::str(py::float_(count)).cast<std::string>());
   }
-  const fbn::CpuIsa cpu_isa = Isa(isa);
-  const fbn::ThreadRunner runner(num_threads);
-  WithDtype(dtype, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    fbn::BnGradArgs<T> a;
-    a.dy = reinterpret_cast<const T*>(ptrs[0]);
-    a.x = reinterpret_cast<const T*>(ptrs[1]);
-    a.scale = reinterpret_cast<const float*>(ptrs[2]);
-    a.saved_mean = reinterpret_cast<const float*>(ptrs[3]);
-    a.saved_var = reinterpret_cast<const float*>(ptrs[4]);
-    a.dx = reinterpret_cast<T*>(ptrs[7]);
-    if (ptrs.size() == 9) a.y = reinterpret_cast<const T*>(ptrs[8]);
-    py::gil_scoped_release release;
-    fbn::BnGradApplyCpu(params, a, reinterpret_cast<const float*>(ptrs[5]),
-                        reinterpret_cast<const float*>(ptrs[6]), count, runner, cpu_isa);
-  });
+  RunGradCpu(dtype, ptrs, slots, num_threads, isa,
+             [&](const auto& args, const fbn::TaskRunner& runner, fbn::CpuIsa cpu_isa) {
+               fbn::BnGradApplyCpu(params, args, reinterpret_cast<const float*>(ptrs[5]),
+                                   reinterpret_cast<const float*>(ptrs[6]), count, runner,
+                                   cpu_isa);
+             });
 }
 
 void DefineSplitBindings(py::module_& m) {

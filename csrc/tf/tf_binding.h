@@ -75,16 +75,13 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
   void Run(int64_t num_tasks, int64_t cost_per_task,
            const std::function<void(int64_t, int64_t)>& fn) const override {
     if (num_tasks <= 0) return;
-    // Below ~64K elements of work, waking a helper costs more than it saves.
-    const int64_t total = num_tasks * (cost_per_task > 0 ? cost_per_task : 1);
     const int64_t threads =
-        pool_ == nullptr ? 1 : std::min<int64_t>(pool_->NumThreads(), num_tasks);
-    if (threads <= 1 || total < 65536) {
+        fbn::TaskThreads(num_tasks, cost_per_task, pool_ == nullptr ? 1 : pool_->NumThreads());
+    if (threads <= 1) {
       fn(0, num_tasks);
       return;
     }
-    // Small blocks, so that a helper that arrives late still finds work to share.
-    const int64_t block = std::max<int64_t>(1, num_tasks / (threads * 8));
+    const int64_t block = fbn::TaskBlock(num_tasks, threads);
     auto claim = std::make_shared<Claim>(num_tasks, block, &fn, static_cast<int>(threads));
     // The caller always works; it counts against the budget of `threads` workers shared by
     // all our ops in the process, so two of our ops that TF runs at once get one thread each
