@@ -6,7 +6,7 @@ directly with PYTHONPATH=python once the module is built:
 
     python scripts/gpu_check.py               # numerics + determinism + benchmark
     python scripts/gpu_check.py --skip-bench  # numerics + determinism only
-    python scripts/gpu_check.py --cpu-only    # CPU kernel vs float64 reference (no GPU)
+    python scripts/gpu_check.py --cpu-only    # CPU kernels vs float64 references (no GPU)
 
 Parts:
   (a) numerics: CUDA kernel vs our CPU kernel vs a float64 NumPy reference, for
@@ -21,11 +21,14 @@ Parts:
       inv_std, exponential_avg_factor 0.3), inference} x {identity, relu}, large-mean data
       (mean 1e4, std ~1), NaN through the fused ReLU, determinism, and the fused-ReLU
       backward (bn_grad relu_y=y vs dy masked with y > 0). Runs before (c).
-  (e) fused modes (part of (d)): the CUDA kernels implement Identity and Relu without a
-      side input; Relu6, Swish and a side input (FusedBatchNormEx / GradEx) are CPU-only
-      so far, and on CUDA arrays bn_forward/bn_grad must refuse them with a clear error
-      (never compute). The same modes on the CPU kernels vs a float64 reference (y, dx,
-      side_input_backprop), so a GPU run also covers them where the GPU cannot.
+  (e) fused modes (run with (d); FusedBatchNormEx / GradEx): Identity/Relu/Relu6/Swish x
+      with/without side input x float32/float16/bfloat16 x NHWC/NCHW x training/inference,
+      forward and backward, CUDA and CPU kernels: y vs a float64 reference and CUDA vs CPU;
+      side_input_backprop (dz) exactly dy or its Relu/Relu6 select, Swish's within the
+      dtype's tolerance; dx/scale/offset backprop vs the float64 backward of the kernel's
+      own dz; the CUDA fused backward bitwise equal to the plain CUDA backward of its
+      side_input_backprop; determinism with misaligned tensors. A few seconds (4 s on 2 CPU
+      cores with the CPU kernel standing in for the GPU; not yet timed on a GPU).
 Exit status: 0 when every numeric/determinism check passed, 1 otherwise (2: setup error).
 
 `reference_bn_grad` (float64, NumPy only) is importable from here for other tests.
@@ -761,7 +764,8 @@ def run_forward_checks(bn_forward, bn_grad, torch, epsilon, seed, verbose):
                     failures.append("%s relu backward %s: %s" % (dev, tag, why))
         except Exception as e:  # noqa: BLE001
             failures.append("relu backward %s: %r" % (tag, e))
-    n_ex, ex_failures = run_fused_mode_checks(bn_forward, bn_grad, torch, epsilon, rng)
+    n_ex, ex_failures = run_fused_mode_checks(bn_forward, bn_grad, torch, epsilon, rng,
+                                              verbose=verbose)
     n += n_ex
     failures += ex_failures
     torch.cuda.synchronize()
@@ -774,64 +778,338 @@ def run_forward_checks(bn_forward, bn_grad, torch, epsilon, seed, verbose):
     return n, len(failures)
 
 
-def run_fused_mode_checks(bn_forward, bn_grad, torch, epsilon, rng):
-    """(e): Relu6, Swish and side inputs: refused on CUDA arrays (clear ValueError naming
-    the CPU), computed right by the CPU kernels (float64 reference). Returns (checks,
-    failure messages)."""
-    n, failures = 0, []
-    fmt, shape = "NHWC", (3, 9, 9, 16)
-    for act, side in itertools.product(("relu6", "swish", "relu", None), (False, True)):
-        if act in ("relu", None) and not side:
-            continue  # implemented on CUDA: covered by (d)
+# ---------------------------------------------------------------------------------------
+# (e) fused modes (FusedBatchNormEx / GradEx): every activation x with/without side input x
+# dtype x NHWC/NCHW x training/inference, forward and backward, CUDA and CPU kernels vs a
+# float64 reference and vs each other, plus exact identities and determinism.
+FUSED_ACTIVATIONS = (None, "relu", "relu6", "swish")
+# (3, 9, 9, 16): VEC 4/8 channels-last, scalar channels-first; (2, 4, 8, 5): the reverse;
+# (8, 24, 24, 32): several chunks per channel in both layouts (and VEC 4/8 in both).
+FUSED_SHAPES = ((3, 9, 9, 16), (2, 4, 8, 5), (8, 24, 24, 32))
+FUSED_DET_SHAPE = (8, 24, 24, 32)
+
+
+def activation_f64(act, z):
+    """act(z) in float64, as csrc/core/activation.h defines it."""
+    if act == "relu":
+        return np.maximum(z, 0.0)
+    if act == "relu6":
+        return np.clip(z, 0.0, 6.0)
+    if act == "swish":
+        return z / (1.0 + np.exp(-z))
+    return z
+
+
+def activation_grad_f64(act, z, y):
+    """act'(z) in float64: the Relu/Relu6 masks from the forward's output y (as the kernels
+    take them), Swish's s * (1 + z * (1 - s)) from z."""
+    if act == "relu":
+        return (y > 0).astype(np.float64)
+    if act == "relu6":
+        return ((y > 0) & (y < 6)).astype(np.float64)
+    if act == "swish":
+        s = 1.0 / (1.0 + np.exp(-z))
+        return s * (1.0 + z * (1.0 - s))
+    return np.ones_like(z)
+
+
+def host_bits(a):
+    """Raw bits of an output (NumPy array or device tensor) as a NumPy integer array."""
+    if type(a).__module__.split(".")[0] == "torch" or hasattr(a, "__cuda_array_interface__"):
+        return result_bits(a)
+    a = np.ascontiguousarray(a)
+    return a.view({4: np.int32, 2: np.int16}[a.dtype.itemsize]).copy()
+
+
+def host_array(torch, a, dtype):
+    """An output as a host NumPy array of `dtype` with identical bits (float32 statistics:
+    dtype "float32")."""
+    if type(a).__module__.split(".")[0] == "torch":
+        return to_numpy_dtype(torch, a, dtype)
+    return np.asarray(a)
+
+
+class _FusedCase:
+    """One configuration of (e): inputs, the float64 reference and the checks."""
+
+    def __init__(self, bn_forward, bn_grad, torch, epsilon, rng, act, side, dtype, fmt, shape,
+                 training):
+        self.bn_forward, self.bn_grad, self.torch = bn_forward, bn_grad, torch
+        self.act, self.side, self.dtype, self.fmt, self.training = act, side, dtype, fmt, training
+        self.eps = epsilon
+        inp = make_forward_inputs(shape, dtype, fmt, rng)
+        # |z| up to ~10: Relu6's upper clip and Swish's tails are exercised.
+        inp["scale"] = (inp["scale"] * 3).astype(np.float32)
+        self.inp = inp
+        x = inp["x"]
+        t = np_dtype(dtype)
+        self.side_np = ((rng.standard_normal(x.shape) * 2).astype(np.float32).astype(t)
+                        if side else None)
+        self.dy = rng.standard_normal(x.shape).astype(np.float32).astype(t)
+        self.stat = "inv_std" if training else "variance"
+        self.rtol = DX_RTOL[dtype]
+        ax = channel_axis(fmt, x.ndim)
+        self.axes = tuple(i for i in range(x.ndim) if i != ax)
+        self.bshape = [1] * x.ndim
+        self.bshape[ax] = -1
+        self.x64 = to_f64(x)
+        self.side64 = to_f64(self.side_np) if side else 0.0
+        self.norms = {}  # name -> max normalized error
+
+    def _b(self, v):
+        return np.asarray(v, dtype=np.float64).reshape(self.bshape)
+
+    def _dev(self, a, misalign=False):
+        return None if a is None else to_device(self.torch, a, misalign)
+
+    # -- forward ------------------------------------------------------------------------
+    def forward(self, dev, misalign=False):
+        inp = self.inp
+        kw = dict(epsilon=self.eps, data_format=self.fmt, is_training=self.training,
+                  activation=self.act, saved_stat=self.stat)
+        stats = (None, None) if self.training else (inp["rm"], inp["rv"])
+        if dev == "cuda":
+            out = self.bn_forward(self._dev(inp["x"], misalign), self._dev(inp["scale"]),
+                                  self._dev(inp["offset"]), *[self._dev(v) for v in stats],
+                                  side_input=self._dev(self.side_np, misalign), **kw)
+            self.torch.cuda.synchronize()
+            return out
+        return self.bn_forward(inp["x"], inp["scale"], inp["offset"], *stats,
+                               side_input=self.side_np, num_threads=0, isa="auto", **kw)
+
+    def forward_reference(self):
+        """y_ref and its per-element error bound (output rounding, the statistics' float32
+        error carried through k, the float32 rounding of z's terms; |act'| <= 1.1)."""
+        inp, x = self.inp, self.x64
+        eps = np.float64(np.float32(self.eps))
+        if self.training:
+            mean, var = x.mean(axis=self.axes), x.var(axis=self.axes)
+        else:
+            mean, var = to_f64(inp["rm"]), to_f64(inp["rv"])
+        k = self._b(to_f64(inp["scale"]) / np.sqrt(var + eps))
+        mean_b, std_b, off_b = self._b(mean), self._b(np.sqrt(var)), self._b(inp["offset"])
+        xk = (x - mean_b) * k
+        z = xk + off_b + self.side64
+        y_ref = activation_f64(self.act, z)
+        zerr = (np.abs(k) * (1.5e-7 * np.abs(mean_b) + (FWD_MEAN_STD * std_b
+                                                         if self.training else 0.0))
+                + (FWD_VAR_RTOL * np.abs(xk) if self.training else 0.0)
+                + 3e-7 * (np.abs(xk) + np.abs(off_b) + np.abs(self.side64)))
+        ymax = float(np.max(np.abs(y_ref)))
+        bound = (self.rtol * np.abs(y_ref) + DX_ATOL_FRAC * self.rtol * ymax + 1.1 * zerr
+                 + 1e-30)
+        return y_ref, bound, ymax
+
+    def check_forward(self, y, y_ref, bound, ymax, what):
+        fails = []
+        err = np.abs(y - y_ref)
+        if not np.all(np.isfinite(y)):
+            fails.append("%s: y has non-finite values" % what)
+        elif np.any(err > bound):
+            i = np.unravel_index(np.argmax(err - bound), err.shape)
+            fails.append("%s: y%s=%r ref %r" % (what, tuple(int(v) for v in i), y[i], y_ref[i]))
+        if self.act in ("relu", "relu6") and np.any(y < 0):
+            fails.append("%s: %s output has negative values" % (what, self.act))
+        if self.act == "relu6" and np.any(y > 6):
+            fails.append("%s: relu6 output above 6" % what)
+        self.norms[what] = float(err.max() / ymax) if ymax > 0 else float(err.max())
+        return fails
+
+    # -- backward -----------------------------------------------------------------------
+    def grad(self, dev, y, sm, sv, side_np, want_dz, misalign=False, dy=None):
+        """The fused backward on `dev` with the forward outputs y, sm, sv (host arrays)."""
+        inp = self.inp
+        dy = self.dy if dy is None else dy
+        kw = dict(epsilon=self.eps, data_format=self.fmt, is_training=self.training,
+                  saved_stat=self.stat, activation=self.act, side_input_backprop=want_dz)
+        if dev == "cuda":
+            out = self.bn_grad(self._dev(dy, misalign), self._dev(inp["x"], misalign),
+                               self._dev(inp["scale"]), self._dev(sm), self._dev(sv),
+                               y=self._dev(y, misalign), offset=self._dev(inp["offset"]),
+                               side_input=self._dev(side_np, misalign), **kw)
+            self.torch.cuda.synchronize()
+            return out
+        return self.bn_grad(dy, inp["x"], inp["scale"], sm, sv, y=y, offset=inp["offset"],
+                            side_input=side_np, num_threads=0, isa="auto", **kw)
+
+    def grad_with_dz(self, dev, y, sm, sv):
+        """(outputs, dz, failures). dz is the kernel's own side_input_backprop; Swish without
+        a side input has none, so there it comes from the same call with a zero side input
+        (z + 0 == z), whose outputs must then equal the plain call's bit for bit."""
+        if self.side or self.act != "swish":
+            out = self.grad(dev, y, sm, sv, self.side_np, True)
+            return out[:3], out[3], []
+        out = self.grad(dev, y, sm, sv, None, False)
+        zero = np.zeros_like(self.inp["x"])
+        out_z = self.grad(dev, y, sm, sv, zero, True)
+        fails = []
+        for name, a, b in zip(("dx", "scale_backprop", "offset_backprop"), out, out_z[:3]):
+            if not np.array_equal(host_bits(a), host_bits(b)):
+                fails.append("%s: swish without side input: %s differs from the call with a "
+                             "zero side input" % (dev, name))
+        return out, out_z[3], fails
+
+    def dz_reference(self, y, sm, sv):
+        inp = self.inp
+        eps = np.float64(np.float32(self.eps))
+        inv = to_f64(sv) if self.training else 1.0 / np.sqrt(to_f64(sv) + eps)
+        z = ((self.x64 - self._b(sm)) * self._b(to_f64(inp["scale"]) * inv)
+             + self._b(inp["offset"]) + self.side64)
+        return to_f64(self.dy) * activation_grad_f64(self.act, z, to_f64(y))
+
+    def check_dz(self, dz, dz_ref, y, what):
+        if self.act != "swish":  # exact: dy itself or a select of it
+            mask = (np.ones(self.dy.shape, dtype=bool) if self.act is None
+                    else activation_grad_f64(self.act, None, to_f64(y)) > 0)
+            want = np.where(mask, self.dy, np.zeros_like(self.dy))
+            if not np.array_equal(host_bits(dz), host_bits(want)):
+                return ["%s: side_input_backprop is not dy masked by the activation" % what]
+            return []
+        d = to_f64(dz)
+        err = np.abs(d - dz_ref)
+        m = float(np.max(np.abs(dz_ref)))
+        bound = self.rtol * np.abs(dz_ref) + DX_ATOL_FRAC * self.rtol * m + 1e-30
+        self.norms[what + " dz"] = float(err.max() / m) if m > 0 else float(err.max())
+        if not np.all(np.isfinite(d)) or np.any(err > bound):
+            i = np.unravel_index(np.argmax(np.where(np.isfinite(err), err - bound, np.inf)),
+                                 err.shape)
+            return ["%s: side_input_backprop%s=%r ref %r" % (
+                what, tuple(int(v) for v in i), d[i], dz_ref[i])]
+        return []
+
+
+def _fused_case(case, devs):
+    """Runs one configuration of (e) on `devs`; returns failure messages."""
+    torch, fails = case.torch, []
+    y_ref, bound, ymax = case.forward_reference()
+    fwd = {}
+    for dev in devs:
+        out = case.forward(dev)
+        fwd[dev] = (host_array(torch, out[0], case.dtype),
+                    host_array(torch, out[3], "float32"), host_array(torch, out[4], "float32"))
+        fails += case.check_forward(to_f64(fwd[dev][0]), y_ref, bound, ymax, dev + " y")
+    if len(devs) == 2:
+        fails += case.check_forward(to_f64(fwd["cuda"][0]), to_f64(fwd["cpu"][0]), bound, ymax,
+                                    "cuda-cpu y")
+    # Both devices' backward get the same inputs (the first device's forward outputs).
+    y, sm, sv = fwd[devs[0]]
+    dz_ref = case.dz_reference(y, sm, sv)
+    grads = {}
+    for dev in devs:
+        out, dz, f = case.grad_with_dz(dev, y, sm, sv)
+        fails += f
+        dz_h = host_array(torch, dz, case.dtype)
+        fails += case.check_dz(dz_h, dz_ref, y, dev)
+        # The batch-norm part: the backward of the kernel's own dz (float64 reference).
+        ref = reference_bn_grad(dz_h, case.inp["x"], case.inp["scale"], sm, sv, case.eps,
+                                case.fmt, case.training, case.stat)
+        got = tuple(result_to_f64(o) for o in out)
+        ok, dx_norm, _, _, why = compare(got, ref, case.dtype)
+        case.norms[dev + " dx"] = dx_norm
+        if not ok:
+            fails.append("%s backward: %s" % (dev, why))
+        if dev == "cuda":  # exactly the plain backward of side_input_backprop
+            plain = case.bn_grad(dz, case._dev(case.inp["x"]), case._dev(case.inp["scale"]),
+                                 case._dev(sm), case._dev(sv), epsilon=case.eps,
+                                 data_format=case.fmt, is_training=case.training,
+                                 saved_stat=case.stat)
+            for name, a, b in zip(("dx", "scale_backprop", "offset_backprop"), out, plain):
+                if not np.array_equal(host_bits(a), host_bits(b)):
+                    fails.append("cuda: %s differs from the plain backward of "
+                                 "side_input_backprop" % name)
+        grads[dev] = (got[0], ref)
+    if len(devs) == 2:
+        dx_c, (dx_ref, *_) = grads["cuda"][0], grads["cuda"][1]
+        dx_cpu = grads["cpu"][0]
+        m = float(np.max(np.abs(dx_ref)))
+        err = np.abs(dx_c - dx_cpu)
+        case.norms["cuda-cpu dx"] = float(err.max() / m) if m > 0 else float(err.max())
+        if np.any(err > case.rtol * np.abs(dx_ref) + DX_ATOL_FRAC * case.rtol * m + 1e-30):
+            fails.append("cuda-cpu: dx differs by %.3g (max |dx| %.3g)" % (err.max(), m))
+    return fails
+
+
+def _fused_determinism(case):
+    """Forward and backward three times (the third with misaligned tensors): bitwise equal."""
+    outs_f, outs_b = [], []
+    for i in range(3):
+        out = case.forward("cuda", misalign=i == 2)
+        outs_f.append([result_bits(t) for t in out[:5]])
+    out = case.forward("cuda")
+    y, sm, sv = (host_array(case.torch, out[0], case.dtype),
+                 host_array(case.torch, out[3], "float32"),
+                 host_array(case.torch, out[4], "float32"))
+    want_dz = case.side or case.act != "swish"
+    for i in range(3):
+        out = case.grad("cuda", y, sm, sv, case.side_np, want_dz, misalign=i == 2)
+        outs_b.append([result_bits(t) for t in out])
+    bad = [name for i in (1, 2)
+           for name, a, b in zip(FWD_OUTPUTS, outs_f[0], outs_f[i]) if not np.array_equal(a, b)]
+    bad += [name for i in (1, 2)
+            for name, a, b in zip(("dx", "scale_backprop", "offset_backprop",
+                                   "side_input_backprop"), outs_b[0], outs_b[i])
+            if not np.array_equal(a, b)]
+    return ["differs between runs: %s" % ",".join(sorted(set(bad)))] if bad else []
+
+
+def run_fused_mode_checks(bn_forward, bn_grad, torch, epsilon, rng, use_cuda=True,
+                          verbose=False):
+    """(e): every activation mode x with/without side input x dtype x NHWC/NCHW x
+    training/inference on the CUDA (use_cuda) and CPU kernels: y vs float64; dz
+    (side_input_backprop) exact for Identity/Relu/Relu6 (dy or a select of it) and within
+    the dtype's tolerance for Swish; dx/scale/offset backprop vs the float64 backward of the
+    kernel's own dz; CUDA fused backward == plain CUDA backward of its side_input_backprop,
+    bit for bit; CUDA vs CPU; determinism with misaligned tensors. Returns (checks, failure
+    messages)."""
+    t0 = time.time()
+    devs = ("cuda", "cpu") if use_cuda else ("cpu",)
+    n, failures, table = 0, [], {}
+    for act, side, dtype, fmt, shape, training in itertools.product(
+            FUSED_ACTIVATIONS, (False, True), DTYPES, FWD_FORMATS, FUSED_SHAPES, (True, False)):
+        if dtype == "bfloat16" and ml_dtypes is None:
+            continue
         n += 1
-        inp = make_forward_inputs(shape, "float32", fmt, rng)
-        s_np = rng.standard_normal(inp["x"].shape).astype(np.float32) if side else None
-        tag = "%s side=%s" % (act, side)
+        tag = "%s side=%s %s %s %s shape=%s" % (
+            act or "identity", side, dtype, fmt, "train" if training else "infer",
+            layout_shape(shape, fmt))
+        case = _FusedCase(bn_forward, bn_grad, torch, epsilon, rng, act, side, dtype, fmt,
+                          shape, training)
         try:
-            d = {k: to_device(torch, v) for k, v in inp.items()}
-            s_dev = to_device(torch, s_np) if side else None
+            msgs = _fused_case(case, devs)
+        except Exception as e:  # noqa: BLE001 - report every kind of failure
+            msgs = [repr(e)]
+        failures += ["(e) %s: %s" % (tag, m) for m in msgs]
+        row = table.setdefault((act or "identity", "side" if side else "-", dtype),
+                               [0, 0, {}])
+        row[0] += 1
+        row[1] += 1 if msgs else 0
+        for k, v in case.norms.items():
+            row[2][k] = max(row[2].get(k, 0.0), v)
+        if verbose:
+            print("  (e) %-60s %s" % (tag, "ok" if not msgs else "FAIL"))
+    if use_cuda:
+        for act, side, dtype, fmt in itertools.product(
+                FUSED_ACTIVATIONS, (False, True), ("float32", "float16"), FWD_FORMATS):
+            n += 1
+            case = _FusedCase(bn_forward, bn_grad, torch, epsilon, rng, act, side, dtype, fmt,
+                              FUSED_DET_SHAPE, True)
             try:
-                bn_forward(d["x"], d["scale"], d["offset"], epsilon=epsilon, data_format=fmt,
-                           activation=act, side_input=s_dev, saved_stat="inv_std")
-                failures.append("cuda %s: forward accepted a mode the CUDA kernels do not "
-                                "implement" % tag)
-            except ValueError as e:
-                if "CUDA kernels" not in str(e):
-                    failures.append("cuda %s: unclear refusal %r" % (tag, e))
-            # CPU kernels, float64 reference.
-            y, _, _, sm, sv = bn_forward(inp["x"], inp["scale"], inp["offset"],
-                                         epsilon=epsilon, data_format=fmt, activation=act,
-                                         side_input=s_np)
-            dy = rng.standard_normal(y.shape).astype(np.float32)
-            out = bn_grad(dy, inp["x"], inp["scale"], sm, sv, epsilon=epsilon,
-                          data_format=fmt, activation=act, y=y, offset=inp["offset"],
-                          side_input=s_np, side_input_backprop=side)
-            x = inp["x"].astype(np.float64)
-            mu, var = x.mean(axis=(0, 1, 2)), x.var(axis=(0, 1, 2))
-            xhat = (x - mu) / np.sqrt(var + epsilon)
-            z = xhat * inp["scale"] + inp["offset"] + (0 if s_np is None else s_np)
-            if act == "relu6":
-                y_ref, dact = np.clip(z, 0, 6), ((y > 0) & (y < 6)).astype(np.float64)
-            elif act == "swish":
-                sg = 1 / (1 + np.exp(-z))
-                y_ref, dact = z * sg, sg * (1 + z * (1 - sg))
-            elif act == "relu":
-                y_ref, dact = np.maximum(z, 0), (y > 0).astype(np.float64)
-            else:
-                y_ref, dact = z, np.ones_like(z)
-            dz = dy * dact
-            ref = reference_bn_grad(dz, inp["x"], inp["scale"], sm, sv, epsilon, fmt, True,
-                                    "variance")
-            ok, _, _, _, why = compare(tuple(result_to_f64(o) for o in out[:3]), ref,
-                                       "float32")
-            if not ok:
-                failures.append("cpu %s backward: %s" % (tag, why))
-            if np.max(np.abs(y - y_ref)) > 1e-4 * (1 + np.max(np.abs(y_ref))):
-                failures.append("cpu %s forward: y off" % tag)
-            if side and np.max(np.abs(out[3] - dz)) > 1e-4 * (1 + np.max(np.abs(dz))):
-                failures.append("cpu %s: side_input_backprop off" % tag)
-        except Exception as e:  # noqa: BLE001
-            failures.append("fused mode %s: %r" % (tag, e))
+                msgs = _fused_determinism(case)
+            except Exception as e:  # noqa: BLE001
+                msgs = [repr(e)]
+            failures += ["(e) cuda determinism %s side=%s %s %s: %s" % (
+                act or "identity", side, dtype, fmt, m) for m in msgs]
+    cols = (["cuda y", "cpu y", "cuda-cpu y", "cuda dz", "cpu dz", "cuda dx", "cpu dx",
+             "cuda-cpu dx"] if use_cuda else ["cpu y", "cpu dz", "cpu dx"])
+    print("(e) fused modes: %d checks on %s in %.1fs: %s (err/max|ref|; dz: Swish only, the "
+          "masks are exact)" % (n, "+".join(devs), time.time() - t0,
+                                "all ok" if not failures else "%d FAILED" % len(failures)))
+    print("  %-8s %-4s %-8s %4s %4s " % ("act", "side", "dtype", "runs", "fail")
+          + " ".join("%11s" % c for c in cols))
+    for key in sorted(table):
+        runs, fails, norms = table[key]
+        print("  %-8s %-4s %-8s %4d %4d " % (key + (runs, fails))
+              + " ".join("%11s" % ("%.2e" % norms[c] if c in norms else "-") for c in cols))
     return n, failures
 
 
@@ -1003,7 +1281,8 @@ def run_benchmark(bn_grad, torch, epsilon, iters, reps, dtypes, layouts):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu-only", action="store_true",
-                    help="only (a), CPU kernel vs float64 reference (no GPU needed)")
+                    help="only (a) and (e) on the CPU kernels, vs float64 references (no GPU "
+                         "needed)")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--skip-numerics", action="store_true")
     ap.add_argument("--skip-determinism", action="store_true")
@@ -1055,6 +1334,21 @@ def main(argv=None):
                                     epsilon=args.epsilon, seed=args.seed, verbose=args.verbose)
         failures += nfail
         summary.append("numerics %d/%d ok" % (total - nfail, total))
+    if args.cpu_only and not args.skip_forward:
+        bn_forward = load_bn_forward()
+        if bn_forward is None:
+            print("(e) fused modes: FAIL: fbn_grad_tf.core has no bn_forward")
+            failures += 1
+            summary.append("fused modes MISSING")
+        else:
+            n, bad = run_fused_mode_checks(bn_forward, bn_grad, None, args.epsilon,
+                                           np.random.default_rng(args.seed + 11),
+                                           use_cuda=False, verbose=args.verbose)
+            for msg in bad[:40]:
+                print("  FAIL " + msg)
+            failures += len(bad)
+            summary.append("fused modes (CPU) %s (%d checks)" % (
+                "ok" if not bad else "%d BAD" % len(bad), n))
     if not args.cpu_only and not args.skip_determinism:
         print("(b) determinism: running ...", flush=True)
         n, nbad = run_determinism(bn_grad, torch, args.epsilon, args.seed)

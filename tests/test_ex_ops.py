@@ -409,8 +409,9 @@ def test_graphs_without_the_new_attrs_still_run():
 
 @pytest.mark.parametrize("act,side", [("relu6", False), ("swish", True), ("relu", True)])
 def test_gpu_visible_keeps_unsupported_fusions_as_tf_ops(monkeypatch, act, side):
-    """Our CUDA kernels fuse only ReLU without a side input: where GPUs are visible, the rest
-    runs as TF ops after our BN op (the same values), never as an op the GPU refuses."""
+    """Where GPUs are visible the Python layers fuse only ReLU without a side input (until the
+    CUDA kernels of the other modes have passed scripts/gpu_check.py part (e) on a GPU): the
+    rest runs as TF ops after our BN op, with the same values."""
     from fbn_grad_tf import nn
     monkeypatch.setattr(nn, "_gpus_visible", lambda: True)
     x = tf.random.stateless_normal([4, 5, 5, 8], seed=[1, 2])

@@ -67,19 +67,6 @@ const char* ActivationName(Activation a) {
   return "?";
 }
 
-const char* CudaUnsupportedReason(Activation a, bool side_input) {
-  if (side_input) {
-    return "side_input is not implemented by fbn_grad_tf's CUDA kernels yet (CPU only); "
-           "place the op on the CPU or add the side input with a separate op";
-  }
-  if (a == Activation::kRelu6 || a == Activation::kSwish) {
-    return "activation_mode Relu6 and Swish are not implemented by fbn_grad_tf's CUDA "
-           "kernels yet (CPU only); place the op on the CPU or apply the activation with a "
-           "separate op";
-  }
-  return nullptr;
-}
-
 std::string UnknownActivationMessage(const std::string& s) {
   return "activation_mode must be one of Identity, Relu, Relu6, Swish, got '" + s + "'";
 }

@@ -43,11 +43,6 @@ const char* ActivationName(Activation a);
 // The message of an unknown activation_mode (names the argument and the accepted values).
 std::string UnknownActivationMessage(const std::string& s);
 
-// The CUDA kernels implement Identity and Relu without a side input so far. For anything
-// else this returns why (a message for the op's error), else nullptr. The CPU kernels
-// implement every mode.
-const char* CudaUnsupportedReason(Activation a, bool side_input);
-
 // Parses "NHWC", "NCHW", "NDHWC", "NCDHW". Returns false for anything else.
 bool ParseDataFormat(const std::string& s, DataFormat* out);
 const char* DataFormatName(DataFormat f);

@@ -294,9 +294,6 @@ void BnForwardCudaRaw(const std::string& dtype, const std::vector<uintptr_t>& pt
                       uintptr_t workspace, size_t workspace_bytes, uintptr_t stream) {
   const fbn::BnForwardParams params =
       ForwardParams(shapes, format, epsilon, factor, is_training, activation, saved_stat);
-  if (const char* why = fbn::CudaUnsupportedReason(params.activation, shapes.size() == 6)) {
-    throw py::value_error(why);
-  }
   if (workspace_bytes < fbn::BnForwardCudaWorkspaceBytes(params)) {
     throw py::value_error("workspace too small");
   }
@@ -324,10 +321,6 @@ void BnGradCudaRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
                    const std::string& activation, const std::vector<bool>& present) {
   const fbn::BnGradParams params =
       GradParams(shapes, format, epsilon, is_training, saved_stat, activation, present);
-  const bool side = present.size() == 4 && (present[2] || present[3]);
-  if (const char* why = fbn::CudaUnsupportedReason(params.activation, side)) {
-    throw py::value_error(why);
-  }
   if (workspace_bytes < fbn::BnGradCudaWorkspaceBytes(params)) {
     throw py::value_error("workspace too small");
   }

@@ -209,10 +209,6 @@ class FbnForwardGpuOp : public FbnForwardOpBase {
     fbn::BnForwardParams params;
     fbn::BnForwardArgs<typename CoreType<T>::type> args;
     if (!Prepare<T>(ctx, fbn::SavedStat::kInvStd, &params, &args)) return;
-    const char* unsupported =
-        fbn::CudaUnsupportedReason(params.activation, args.side_input != nullptr);
-    OP_REQUIRES(ctx, unsupported == nullptr,
-                tensorflow::errors::Unimplemented(kForwardExOpName, " on GPU: ", unsupported));
     const size_t ws_bytes = fbn::BnForwardCudaWorkspaceBytes(params);
     LaunchOnOpStream(ctx, ws_bytes, "forward", [&](void* ws, void* stream) {
       return fbn::BnForwardCuda(params, args, ws, ws_bytes, stream);

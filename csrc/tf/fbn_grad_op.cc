@@ -435,10 +435,6 @@ class FbnGradGpuOp : public FbnGradOpBase {
   void Compute(OpKernelContext* ctx) override {
     Prepared p;
     if (!Prepare(ctx, fbn::SavedStat::kInvStd, &p)) return;
-    const char* unsupported = fbn::CudaUnsupportedReason(p.params.activation,
-                                                         num_side_inputs_ != 0);
-    OP_REQUIRES(ctx, unsupported == nullptr,
-                tensorflow::errors::Unimplemented(kExOpName, " on GPU: ", unsupported));
     const auto args = Args<T>(ctx, &p);
     const size_t ws_bytes = fbn::BnGradCudaWorkspaceBytes(p.params);
     LaunchOnOpStream(ctx, ws_bytes, "backward", [&](void* ws, void* stream) {

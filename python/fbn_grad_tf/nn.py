@@ -202,9 +202,11 @@ def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
     return _fused_batch_norm_v3(x, scale, offset, mean, variance, params)
 
 
-# What our CUDA kernels fuse: ReLU only, no side input (docs/GPU.md). Where GPUs are visible,
-# the other activations and the side input run as TF ops after our BN op, so that a model
-# converted (or built) with them still runs when TF places it on a GPU.
+# What the Keras layer and fused_batch_norm let our ops fuse where GPUs are visible: ReLU
+# only, no side input. The other activations and the side input run there as TF ops after
+# our BN op. The CUDA kernels now implement every mode (Relu6, Swish, side inputs; docs/
+# GPU.md), but that code has not run on a GPU yet: this fallback stays until
+# scripts/gpu_check.py part (e) has passed on one; then this becomes all modes and side inputs.
 _CUDA_FUSED_ACTIVATIONS = (None, "relu")
 
 

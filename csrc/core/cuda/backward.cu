@@ -12,6 +12,15 @@
 //   channels-first (inner > 1): a block owns one channel and a fixed chunk of its M
 //     elements (enumerated o*inner + i); thread t handles elements (in units of VEC
 //     contiguous elements) t, t + 256, t + 512, ... of the chunk.
+// With a fused activation (y = act(bn(x) + side_input), ../backward.h) every pass reads
+// dz = dy * act'(z) in place of dy, computed per element as it is loaded: Relu/Relu6 mask dy
+// with the forward's y, Swish recomputes z from x, the statistics, scale, offset and the side
+// input exactly as the forward did (common.cuh: PreActivation). dz is rounded to T, as the CPU
+// kernels (which stage it in a T buffer) and side_input_backprop hold it, so dx and the sums
+// are exactly the plain backward's of side_input_backprop. The first pass (kReduce,
+// kReduceScale) also writes side_input_backprop = dz. The mode and whether Swish reads a side
+// input are template parameters of the passes; Finalize does not depend on them.
+//
 // Reductions: each thread sums its elements in a fixed order, the block combines the
 // thread sums with a fixed tree and writes one partial sum per (chunk, channel) into the
 // workspace; Finalize combines the partials of a channel with a fixed warp tree. Chunks
@@ -32,6 +41,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../activation.h"
 #include "common.cuh"
 
 namespace fbn {
@@ -70,21 +80,25 @@ struct KParams {
   int aligned;      // dy, x, dx aligned for VEC-wide vector accesses
   int inv_std;      // reserve_space_2 already holds 1/sqrt(var + eps)
   int training;
-  const void* relu_y;  // fused ReLU: mask dy with relu_y > 0 (kernels with kRelu only)
+  // The fused activation's inputs (read by the kernels whose kAct needs them) and output.
+  const void* act_y;    // the forward's y: Relu/Relu6 masks
+  const void* side;     // the forward's side input: Swish's z (kernels with kSide)
+  const float* offset;  // Swish's z
+  void* side_bp;        // side_input_backprop = dz, written by the first pass; may be null
 };
-
-// Fused ReLU backward: y_backprop counts only where the forward's output was positive
-// (a select, so a masked-out dy never reaches the sums, whatever its value).
-__device__ __forceinline__ float ReluMask(float dy, float y) { return y > 0.f ? dy : 0.f; }
 
 __device__ __forceinline__ float InvStd(const KParams& p, int64_t c) {
   if (p.training && p.inv_std) return p.var[c];
   return 1.0f / sqrtf(p.var[c] + p.eps);  // IEEE sqrt and division (no fast math)
 }
 
-template <int kMode>
+// Per-channel values of a pass: the mean, the dx coefficients a, b, q (Dx) and, for Swish,
+// z's coefficients k = scale * inv and offset. Every pass computes k bitwise as the forward
+// did (Finalize's coef_k is the same product), so z is the forward's z.
+template <int kMode, bool kNeedsZ>
 __device__ __forceinline__ void ChannelCoefs(const KParams& p, int64_t c, float& mean,
-                                             float& a, float& b, float& q) {
+                                             float& a, float& b, float& q, float& zk,
+                                             float& zb) {
   mean = p.mean[c];
   a = 0.f;
   b = 0.f;
@@ -95,6 +109,43 @@ __device__ __forceinline__ void ChannelCoefs(const KParams& p, int64_t c, float&
     a = p.coef_k[c];
     b = p.coef_mdy[c];
     q = p.coef_q[c];
+  }
+  zk = 0.f;
+  zb = 0.f;
+  if (kNeedsZ) {
+    zk = kMode == kReduce ? p.scale[c] * InvStd(p, c) : a;
+    zb = p.offset[c];
+  }
+}
+
+// Loads dy and x of VEC elements at element offset `off` and turns dy into dz (see the top
+// of the file). mean/zk/zb: per element of the vector (the channels-first passes repeat
+// their channel's value).
+template <typename T, int VEC, Activation kAct, bool kSide>
+__device__ __forceinline__ void LoadDzX(const KParams& p, int64_t off, bool aligned,
+                                        const float (&mean)[VEC], const float (&zk)[VEC],
+                                        const float (&zb)[VEC], float (&dz)[VEC],
+                                        float (&fx)[VEC]) {
+  using Raw = typename Dev<T>::Raw;
+  using Op = ActivationOp<kAct>;
+  LoadVec<T, VEC>(static_cast<const Raw*>(p.dy) + off, aligned, dz);
+  LoadVec<T, VEC>(static_cast<const Raw*>(p.x) + off, aligned, fx);
+  if constexpr (Op::kNeedsY) {
+    // A select, as TF's ReluGrad/Relu6Grad: a masked-out dy never reaches the sums,
+    // whatever its value. Exact, so no rounding is needed.
+    float fy[VEC];
+    LoadVec<T, VEC>(static_cast<const Raw*>(p.act_y) + off, aligned, fy);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) dz[v] = Op::Passes(fy[v]) ? dz[v] : 0.f;
+  } else if constexpr (Op::kNeedsZ) {
+    float fs[VEC];
+    if constexpr (kSide) LoadVec<T, VEC>(static_cast<const Raw*>(p.side) + off, aligned, fs);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      float z = PreActivation(fx[v], mean[v], zk[v], zb[v]);
+      if constexpr (kSide) z = AddSide(z, fs[v]);
+      dz[v] = Dev<T>::Round(dz[v] * Op::Derivative(z));
+    }
   }
 }
 
@@ -107,19 +158,18 @@ __device__ __forceinline__ float Dx(float dy, float x, float mean, float a, floa
 
 // ---------------------------------------------------------------------------------------
 // Channels-last pass over [rows, C].
-template <typename T, int VEC, int kMode, bool kRelu>
+template <typename T, int VEC, int kMode, Activation kAct, bool kSide>
 __global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
   using Raw = typename Dev<T>::Raw;
   constexpr int U = VEC >= 4 ? 2 : 4;  // rows in flight per thread
   constexpr bool kSums = kMode != kApply;
   constexpr bool kWriteDx = kMode != kReduce;
+  constexpr bool kNeedsZ = ActivationOp<kAct>::kNeedsZ;
   __shared__ float sm1[kSums ? kThreads * VEC : 1];
   __shared__ float sm2[kSums ? kThreads * VEC : 1];
 
-  const Raw* __restrict__ dy = static_cast<const Raw*>(p.dy);
-  const Raw* __restrict__ x = static_cast<const Raw*>(p.x);
   Raw* __restrict__ dx = static_cast<Raw*>(p.dx);
-  const Raw* __restrict__ ry = static_cast<const Raw*>(p.relu_y);
+  Raw* __restrict__ side_bp = kSums ? static_cast<Raw*>(p.side_bp) : nullptr;
   const bool aligned = p.aligned != 0;
   const int bx = p.bx;
   const int by = kThreads / bx;
@@ -136,16 +186,18 @@ __global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
     const int64_t r_begin = g * p.chunk;
     const int64_t r_end = min(p.M, r_begin + p.chunk);
 
-    float s1[VEC], s2[VEC], mean[VEC], ca[VEC], cb[VEC], cq[VEC];
+    float s1[VEC], s2[VEC], mean[VEC], ca[VEC], cb[VEC], cq[VEC], zk[VEC], zb[VEC];
 #pragma unroll
     for (int v = 0; v < VEC; ++v) {
       s1[v] = 0.f;
       s2[v] = 0.f;
-      mean[v] = ca[v] = cb[v] = cq[v] = 0.f;
+      mean[v] = ca[v] = cb[v] = cq[v] = zk[v] = zb[v] = 0.f;
     }
     if (active) {
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) ChannelCoefs<kMode>(p, c0 + v, mean[v], ca[v], cb[v], cq[v]);
+      for (int v = 0; v < VEC; ++v) {
+        ChannelCoefs<kMode, kNeedsZ>(p, c0 + v, mean[v], ca[v], cb[v], cq[v], zk[v], zb[v]);
+      }
 
       int64_t r = r_begin + ty;
       const int64_t step = static_cast<int64_t>(by);
@@ -156,14 +208,8 @@ __global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int64_t off = (r + u * step) * C + c0;
-          LoadVec<T, VEC>(dy + off, aligned, fdy[u]);
-          LoadVec<T, VEC>(x + off, aligned, fx[u]);
-          if (kRelu) {
-            float fy[VEC];
-            LoadVec<T, VEC>(ry + off, aligned, fy);
-#pragma unroll
-            for (int v = 0; v < VEC; ++v) fdy[u][v] = ReluMask(fdy[u][v], fy[v]);
-          }
+          LoadDzX<T, VEC, kAct, kSide>(p, off, aligned, mean, zk, zb, fdy[u], fx[u]);
+          if (kSums && side_bp != nullptr) StoreVec<T, VEC>(side_bp + off, aligned, fdy[u]);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -182,14 +228,8 @@ __global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
       for (; r < r_end; r += step) {
         float fdy[VEC], fx[VEC], out[VEC];
         const int64_t off = r * C + c0;
-        LoadVec<T, VEC>(dy + off, aligned, fdy);
-        LoadVec<T, VEC>(x + off, aligned, fx);
-        if (kRelu) {
-          float fy[VEC];
-          LoadVec<T, VEC>(ry + off, aligned, fy);
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) fdy[v] = ReluMask(fdy[v], fy[v]);
-        }
+        LoadDzX<T, VEC, kAct, kSide>(p, off, aligned, mean, zk, zb, fdy, fx);
+        if (kSums && side_bp != nullptr) StoreVec<T, VEC>(side_bp + off, aligned, fdy);
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
           if (kSums) {
@@ -236,20 +276,19 @@ __global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
 
 // ---------------------------------------------------------------------------------------
 // Channels-first pass over [outer, C, inner], inner % VEC == 0.
-template <typename T, int VEC, int kMode, bool kRelu>
+template <typename T, int VEC, int kMode, Activation kAct, bool kSide>
 __global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
   using Raw = typename Dev<T>::Raw;
   constexpr int U = VEC >= 4 ? 2 : 4;
   constexpr bool kSums = kMode != kApply;
   constexpr bool kWriteDx = kMode != kReduce;
+  constexpr bool kNeedsZ = ActivationOp<kAct>::kNeedsZ;
   constexpr int kWarps = kThreads / 32;
   __shared__ float red1[kWarps];
   __shared__ float red2[kWarps];
 
-  const Raw* __restrict__ dy = static_cast<const Raw*>(p.dy);
-  const Raw* __restrict__ x = static_cast<const Raw*>(p.x);
   Raw* __restrict__ dx = static_cast<Raw*>(p.dx);
-  const Raw* __restrict__ ry = static_cast<const Raw*>(p.relu_y);
+  Raw* __restrict__ side_bp = kSums ? static_cast<Raw*>(p.side_bp) : nullptr;
   const bool aligned = p.aligned != 0;
   const int64_t C = p.C;
   const int64_t inner_v = p.inner / VEC;        // vector units per (outer, channel) run
@@ -266,12 +305,17 @@ __global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
     const int64_t c = b / p.G;
     const int64_t g = b % p.G;
     const int64_t j_end = min(m_v, (g + 1) * chunk_v);
-    float mean, ca, cb, cq;
-    ChannelCoefs<kMode>(p, c, mean, ca, cb, cq);
-    const Raw* dyc = dy + c * p.inner;
-    const Raw* xc = x + c * p.inner;
-    Raw* dxc = dx + c * p.inner;
-    const Raw* ryc = kRelu ? ry + c * p.inner : nullptr;
+    float mean, ca, cb, cq, zk, zb;
+    ChannelCoefs<kMode, kNeedsZ>(p, c, mean, ca, cb, cq, zk, zb);
+    float mean_v[VEC], zk_v[VEC], zb_v[VEC];  // LoadDzX's per-element form
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      mean_v[v] = mean;
+      zk_v[v] = zk;
+      zb_v[v] = zb;
+    }
+    const int64_t base_c = c * p.inner;  // element offset of (outer 0, c, inner 0)
+    Raw* dxc = dx + base_c;
 
     float s1 = 0.f, s2 = 0.f;
     int64_t j = g * chunk_v + tid;
@@ -296,14 +340,9 @@ __global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (valid[u]) {
-          LoadVec<T, VEC>(dyc + offs[u], aligned, fdy[u]);
-          LoadVec<T, VEC>(xc + offs[u], aligned, fx[u]);
-          if (kRelu) {
-            float fy[VEC];
-            LoadVec<T, VEC>(ryc + offs[u], aligned, fy);
-#pragma unroll
-            for (int v = 0; v < VEC; ++v) fdy[u][v] = ReluMask(fdy[u][v], fy[v]);
-          }
+          const int64_t off = base_c + offs[u];
+          LoadDzX<T, VEC, kAct, kSide>(p, off, aligned, mean_v, zk_v, zb_v, fdy[u], fx[u]);
+          if (kSums && side_bp != nullptr) StoreVec<T, VEC>(side_bp + off, aligned, fdy[u]);
         }
       }
 #pragma unroll
@@ -392,27 +431,34 @@ Plan MakePlan(const BnGradParams& params) {
   return plan;
 }
 
-template <typename T, int VEC, int kMode>
+template <typename T, int VEC, int kMode, Activation kAct, bool kSide>
 void LaunchPass(const KParams& kp, bool channels_last, cudaStream_t stream) {
   const int grid = GridFor(kp.nblocks);
-  const bool relu = kp.relu_y != nullptr;
   if (channels_last) {
-    if (relu) {
-      PassChannelsLast<T, VEC, kMode, true><<<grid, kThreads, 0, stream>>>(kp);
-    } else {
-      PassChannelsLast<T, VEC, kMode, false><<<grid, kThreads, 0, stream>>>(kp);
-    }
+    PassChannelsLast<T, VEC, kMode, kAct, kSide><<<grid, kThreads, 0, stream>>>(kp);
   } else {
-    if (relu) {
-      PassChannelsFirst<T, VEC, kMode, true><<<grid, kThreads, 0, stream>>>(kp);
-    } else {
-      PassChannelsFirst<T, VEC, kMode, false><<<grid, kThreads, 0, stream>>>(kp);
-    }
+    PassChannelsFirst<T, VEC, kMode, kAct, kSide><<<grid, kThreads, 0, stream>>>(kp);
+  }
+}
+
+// The passes of one call, for one activation; kSide (Swish reads a side input) exists only
+// for Swish, the one mode whose backward reads the side input.
+template <typename T, int VEC, Activation kAct, bool kSide>
+void RunPasses(const KParams& kp, bool channels_last, bool training, cudaStream_t stream) {
+  const int fin_grid = GridFor(CeilDiv(kp.C, kThreads / 32));
+  if (training) {
+    LaunchPass<T, VEC, kReduce, kAct, kSide>(kp, channels_last, stream);
+    Finalize<<<fin_grid, kThreads, 0, stream>>>(kp);
+    LaunchPass<T, VEC, kApply, kAct, kSide>(kp, channels_last, stream);
+  } else {
+    LaunchPass<T, VEC, kReduceScale, kAct, kSide>(kp, channels_last, stream);
+    Finalize<<<fin_grid, kThreads, 0, stream>>>(kp);
   }
 }
 
 template <typename T, int VEC>
-int RunWithVec(const Plan& plan, KParams kp, bool training, cudaStream_t stream) {
+int RunWithVec(const Plan& plan, KParams kp, Activation act, bool training,
+               cudaStream_t stream) {
   if (plan.channels_last) {
     const int bx = ChannelsLastBx(kp.C, VEC);
     kp.bx = bx;
@@ -423,14 +469,24 @@ int RunWithVec(const Plan& plan, KParams kp, bool training, cudaStream_t stream)
     kp.ctn = 1;
     kp.nblocks = kp.C * plan.G;
   }
-  const int fin_grid = GridFor(CeilDiv(kp.C, kThreads / 32));
-  if (training) {
-    LaunchPass<T, VEC, kReduce>(kp, plan.channels_last, stream);
-    Finalize<<<fin_grid, kThreads, 0, stream>>>(kp);
-    LaunchPass<T, VEC, kApply>(kp, plan.channels_last, stream);
-  } else {
-    LaunchPass<T, VEC, kReduceScale>(kp, plan.channels_last, stream);
-    Finalize<<<fin_grid, kThreads, 0, stream>>>(kp);
+  const bool cl = plan.channels_last;
+  switch (act) {
+    case Activation::kIdentity:
+      RunPasses<T, VEC, Activation::kIdentity, false>(kp, cl, training, stream);
+      break;
+    case Activation::kRelu:
+      RunPasses<T, VEC, Activation::kRelu, false>(kp, cl, training, stream);
+      break;
+    case Activation::kRelu6:
+      RunPasses<T, VEC, Activation::kRelu6, false>(kp, cl, training, stream);
+      break;
+    case Activation::kSwish:
+      if (kp.side != nullptr) {
+        RunPasses<T, VEC, Activation::kSwish, true>(kp, cl, training, stream);
+      } else {
+        RunPasses<T, VEC, Activation::kSwish, false>(kp, cl, training, stream);
+      }
+      break;
   }
   return static_cast<int>(cudaGetLastError());
 }
@@ -495,15 +551,18 @@ int BnGradCuda(const BnGradParams& params, const BnGradArgs<T>& args, void* work
   kp.inv_m = static_cast<float>(1.0 / static_cast<double>(shape.per_channel()));
   kp.inv_std = params.saved_stat == SavedStat::kInvStd ? 1 : 0;
   kp.training = params.is_training ? 1 : 0;
-  // nullptr: the kernels without the ReLU mask. Relu6, Swish and side inputs are not
-  // implemented on CUDA yet: refused here and, with a clear message, by the bindings
-  // (CudaUnsupportedReason, common.h).
-  if (CudaUnsupportedReason(params.activation, args.side_input != nullptr ||
-                                                   args.side_input_backprop != nullptr) !=
-      nullptr) {
-    return static_cast<int>(cudaErrorNotSupported);
+  // The fused activation's inputs: only those the mode reads (the bindings validate them;
+  // a missing one here is a caller bug). The side input is read by Swish alone.
+  const Activation act = params.activation;
+  const bool needs_y = act == Activation::kRelu || act == Activation::kRelu6;
+  const bool needs_z = act == Activation::kSwish;
+  if ((needs_y && args.y == nullptr) || (needs_z && args.offset == nullptr)) {
+    return static_cast<int>(cudaErrorInvalidValue);
   }
-  kp.relu_y = params.activation == Activation::kRelu ? args.y : nullptr;
+  kp.act_y = needs_y ? args.y : nullptr;
+  kp.side = needs_z ? args.side_input : nullptr;
+  kp.offset = needs_z ? args.offset : nullptr;
+  kp.side_bp = args.side_input_backprop;
 
   // Vector width: the largest power of two (up to 16 bytes) dividing the contiguous run
   // of a thread's elements (C for channels-last, inner for channels-first). It depends on
@@ -511,21 +570,23 @@ int BnGradCuda(const BnGradParams& params, const BnGradArgs<T>& args, void* work
   const int vec = VecWidth<T>(plan.channels_last ? C : shape.inner);
   const size_t vbytes = sizeof(T) * static_cast<size_t>(vec);
   kp.aligned = (Aligned(args.dy, vbytes) && Aligned(args.x, vbytes) && Aligned(args.dx, vbytes) &&
-                (kp.relu_y == nullptr || Aligned(kp.relu_y, vbytes)))
+                (kp.act_y == nullptr || Aligned(kp.act_y, vbytes)) &&
+                (kp.side == nullptr || Aligned(kp.side, vbytes)) &&
+                (kp.side_bp == nullptr || Aligned(kp.side_bp, vbytes)))
                    ? 1
                    : 0;
 
   const bool training = params.is_training;
   switch (vec) {
     case 8:
-      if constexpr (MaxVec<T>() >= 8) return RunWithVec<T, 8>(plan, kp, training, st);
+      if constexpr (MaxVec<T>() >= 8) return RunWithVec<T, 8>(plan, kp, act, training, st);
       break;
     case 4:
-      return RunWithVec<T, 4>(plan, kp, training, st);
+      return RunWithVec<T, 4>(plan, kp, act, training, st);
     case 2:
-      return RunWithVec<T, 2>(plan, kp, training, st);
+      return RunWithVec<T, 2>(plan, kp, act, training, st);
     default:
-      return RunWithVec<T, 1>(plan, kp, training, st);
+      return RunWithVec<T, 1>(plan, kp, act, training, st);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }

@@ -26,7 +26,8 @@ constexpr int64_t kMaxGrid = int64_t{1} << 30;
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---------------------------------------------------------------------------------------
-// Element types.
+// Element types: Raw is the storage, ToF/FromF convert (round to nearest even), Round(v) is v
+// rounded to T and back (what a store and a reload give).
 template <typename T>
 struct Dev;
 template <>
@@ -34,6 +35,7 @@ struct Dev<float> {
   using Raw = float;
   static __device__ __forceinline__ float ToF(float v) { return v; }
   static __device__ __forceinline__ float FromF(float v) { return v; }
+  static __device__ __forceinline__ float Round(float v) { return v; }
 };
 template <>
 struct Dev<half_t> {
@@ -44,6 +46,7 @@ struct Dev<half_t> {
   static __device__ __forceinline__ unsigned short FromF(float f) {
     return __half_as_ushort(__float2half_rn(f));
   }
+  static __device__ __forceinline__ float Round(float f) { return ToF(FromF(f)); }
 };
 template <>
 struct Dev<bfloat16_t> {
@@ -54,6 +57,7 @@ struct Dev<bfloat16_t> {
   static __device__ __forceinline__ unsigned short FromF(float f) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(f));
   }
+  static __device__ __forceinline__ float Round(float f) { return ToF(FromF(f)); }
 };
 
 template <int kBytes>
@@ -114,6 +118,16 @@ __device__ __forceinline__ void StoreVec(typename Dev<T>::Raw* p, bool aligned,
     for (int v = 0; v < VEC; ++v) p[v] = Dev<T>::FromF(in[v]);
   }
 }
+
+// The forward's pre-activation z = (x - mean) * k + offset [+ side] (k = scale * inv), each
+// operation rounded on its own: nvcc contracts a*b+c into an FMA by default, and where it
+// does so depends on the surrounding code. The Swish backward recomputes z with these same
+// functions, so its z is bitwise the forward's; it is also the CPU kernels' arithmetic
+// (compiled with -ffp-contract=off).
+__device__ __forceinline__ float PreActivation(float x, float mean, float k, float offset) {
+  return __fadd_rn(__fmul_rn(__fsub_rn(x, mean), k), offset);
+}
+__device__ __forceinline__ float AddSide(float z, float side) { return __fadd_rn(z, side); }
 
 __device__ __forceinline__ float WarpSum(float s) {
 #pragma unroll

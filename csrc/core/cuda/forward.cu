@@ -16,9 +16,11 @@
 // (chunk, channel) into the workspace. Finalize (one warp per channel) merges the G partials
 // of a channel with Chan's formula in double (lane l takes g = l, l+32, ... in order, then a
 // fixed shuffle tree), adds K back, and writes the four statistics outputs and the apply
-// coefficients. Apply is elementwise: y = (x - mean) * k + offset, k = scale * inv, with the
-// fused ReLU y = max(y, 0) (NaN stays NaN) when asked. Every order is fixed by the shape
-// alone, so results are bitwise identical from run to run. No atomics.
+// coefficients. Apply is elementwise: y = act((x - mean) * k + offset [+ side_input]),
+// k = scale * inv, with the activation of ../activation.h (Identity, Relu, Relu6, Swish; NaN
+// stays NaN) and the optional side input as template parameters of one kernel per layout.
+// Every order is fixed by the shape alone, so results are bitwise identical from run to run.
+// No atomics.
 //
 // Workspace (floats, contiguous, exact size from BnForwardCudaWorkspaceBytes; 0 when M == 0):
 //   training:  [0, GC) partial mean - K  [c * G + g];  [GC, 2GC) partial M2  [c * G + g]
@@ -31,6 +33,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "../activation.h"
 #include "common.cuh"
 
 namespace fbn {
@@ -42,6 +45,7 @@ using namespace cuda_detail;  // NOLINT: kThreads, Dev<T>, LoadVec, StoreVec, Ch
 // Kernel parameters (passed by value).
 struct FParams {
   const void* x;
+  const void* side;  // optional side input (the Apply kernels with kSide only)
   void* y;
   const float* scale;
   const float* offset;
@@ -65,7 +69,7 @@ struct FParams {
   float eps;
   float factor;     // exponential_avg_factor
   int bx;           // channels-last: threads along the channels (power of 2, <= 32)
-  int aligned;      // x and y aligned for VEC-wide vector accesses
+  int aligned;      // x, y (and the side input) aligned for VEC-wide vector accesses
   int inv_std;      // saved_var receives 1/sqrt(var + eps) (cuDNN convention)
   int training;
   int blend;        // training with exponential_avg_factor != 1
@@ -131,11 +135,13 @@ __device__ __forceinline__ void WarpChanMerge(int& n, float& m, float& q) {
   }
 }
 
-template <bool kRelu>
-__device__ __forceinline__ float Normalize(float x, float mean, float k, float offset) {
-  const float v = (x - mean) * k + offset;
-  if (kRelu) return v > 0.f ? v : (v != v ? v : 0.f);  // max(v, 0), NaN stays NaN
-  return v;
+// y = act(z), z = (x - mean) * k + offset [+ side] (common.cuh: PreActivation).
+template <Activation kAct, bool kSide>
+__device__ __forceinline__ float Activate(float x, float mean, float k, float offset,
+                                          float side) {
+  float z = PreActivation(x, mean, k, offset);
+  if (kSide) z = AddSide(z, side);
+  return ActivationOp<kAct>::Forward(z);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -409,12 +415,13 @@ __global__ void __launch_bounds__(kThreads) Finalize(const FParams p) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Elementwise y = (x - mean) * k + offset (+ ReLU), channels-last: the tile mapping.
-template <typename T, int VEC, bool kRelu>
+// Elementwise y = act((x - mean) * k + offset [+ side]), channels-last: the tile mapping.
+template <typename T, int VEC, Activation kAct, bool kSide>
 __global__ void __launch_bounds__(kThreads) ApplyChannelsLast(const FParams p) {
   using Raw = typename Dev<T>::Raw;
   constexpr int U = VEC >= 4 ? 2 : 4;
   const Raw* __restrict__ x = static_cast<const Raw*>(p.x);
+  const Raw* __restrict__ side = static_cast<const Raw*>(p.side);
   Raw* __restrict__ y = static_cast<Raw*>(p.y);
   const bool aligned = p.aligned != 0;
   const int bx = p.bx;
@@ -440,33 +447,42 @@ __global__ void __launch_bounds__(kThreads) ApplyChannelsLast(const FParams p) {
     int64_t r = g * p.chunk + ty;
     const int64_t step = static_cast<int64_t>(by);
     for (; r + (U - 1) * step < r_end; r += U * step) {
-      float fx[U][VEC];
+      float fx[U][VEC], fs[U][VEC];
 #pragma unroll
-      for (int u = 0; u < U; ++u) LoadVec<T, VEC>(x + (r + u * step) * C + c0, aligned, fx[u]);
+      for (int u = 0; u < U; ++u) {
+        LoadVec<T, VEC>(x + (r + u * step) * C + c0, aligned, fx[u]);
+        if (kSide) LoadVec<T, VEC>(side + (r + u * step) * C + c0, aligned, fs[u]);
+      }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         float out[VEC];
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) out[v] = Normalize<kRelu>(fx[u][v], mean[v], k[v], off[v]);
+        for (int v = 0; v < VEC; ++v) {
+          out[v] = Activate<kAct, kSide>(fx[u][v], mean[v], k[v], off[v], kSide ? fs[u][v] : 0.f);
+        }
         StoreVec<T, VEC>(y + (r + u * step) * C + c0, aligned, out);
       }
     }
     for (; r < r_end; r += step) {
-      float fx[VEC], out[VEC];
+      float fx[VEC], fs[VEC], out[VEC];
       LoadVec<T, VEC>(x + r * C + c0, aligned, fx);
+      if (kSide) LoadVec<T, VEC>(side + r * C + c0, aligned, fs);
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) out[v] = Normalize<kRelu>(fx[v], mean[v], k[v], off[v]);
+      for (int v = 0; v < VEC; ++v) {
+        out[v] = Activate<kAct, kSide>(fx[v], mean[v], k[v], off[v], kSide ? fs[v] : 0.f);
+      }
       StoreVec<T, VEC>(y + r * C + c0, aligned, out);
     }
   }
 }
 
 // Elementwise, channels-first: one channel and a chunk of its elements per block.
-template <typename T, int VEC, bool kRelu>
+template <typename T, int VEC, Activation kAct, bool kSide>
 __global__ void __launch_bounds__(kThreads) ApplyChannelsFirst(const FParams p) {
   using Raw = typename Dev<T>::Raw;
   constexpr int U = VEC >= 4 ? 2 : 4;
   const Raw* __restrict__ x = static_cast<const Raw*>(p.x);
+  const Raw* __restrict__ side = static_cast<const Raw*>(p.side);
   Raw* __restrict__ y = static_cast<Raw*>(p.y);
   const bool aligned = p.aligned != 0;
   const int64_t inner_v = p.inner / VEC;
@@ -485,6 +501,7 @@ __global__ void __launch_bounds__(kThreads) ApplyChannelsFirst(const FParams p) 
     const float k = p.coef_k[c];
     const float off = p.offset[c];
     const Raw* xc = x + c * p.inner;
+    const Raw* sc = kSide ? side + c * p.inner : nullptr;
     Raw* yc = y + c * p.inner;
 
     int64_t j = g * chunk_v + tid;
@@ -505,17 +522,22 @@ __global__ void __launch_bounds__(kThreads) ApplyChannelsFirst(const FParams p) 
           ++o;
         }
       }
-      float fx[U][VEC];
+      float fx[U][VEC], fs[U][VEC];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (valid[u]) LoadVec<T, VEC>(xc + offs[u], aligned, fx[u]);
+        if (valid[u]) {
+          LoadVec<T, VEC>(xc + offs[u], aligned, fx[u]);
+          if (kSide) LoadVec<T, VEC>(sc + offs[u], aligned, fs[u]);
+        }
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (valid[u]) {
           float out[VEC];
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) out[v] = Normalize<kRelu>(fx[u][v], mean, k, off);
+          for (int v = 0; v < VEC; ++v) {
+            out[v] = Activate<kAct, kSide>(fx[u][v], mean, k, off, kSide ? fs[u][v] : 0.f);
+          }
           StoreVec<T, VEC>(yc + offs[u], aligned, out);
         }
       }
@@ -540,18 +562,44 @@ Plan MakePlan(const BnForwardParams& params) {
   return plan;
 }
 
-template <typename T, int VEC, bool kRelu>
+template <typename T, int VEC, Activation kAct, bool kSide>
 void LaunchApply(const FParams& kp, bool channels_last, cudaStream_t stream) {
   const int grid = GridFor(kp.nblocks);
   if (channels_last) {
-    ApplyChannelsLast<T, VEC, kRelu><<<grid, kThreads, 0, stream>>>(kp);
+    ApplyChannelsLast<T, VEC, kAct, kSide><<<grid, kThreads, 0, stream>>>(kp);
   } else {
-    ApplyChannelsFirst<T, VEC, kRelu><<<grid, kThreads, 0, stream>>>(kp);
+    ApplyChannelsFirst<T, VEC, kAct, kSide><<<grid, kThreads, 0, stream>>>(kp);
+  }
+}
+
+// The activation and the presence of a side input: runtime values to template parameters,
+// once per call.
+template <typename T, int VEC, Activation kAct>
+void LaunchApplyAct(const FParams& kp, bool channels_last, cudaStream_t stream) {
+  if (kp.side != nullptr) {
+    LaunchApply<T, VEC, kAct, true>(kp, channels_last, stream);
+  } else {
+    LaunchApply<T, VEC, kAct, false>(kp, channels_last, stream);
   }
 }
 
 template <typename T, int VEC>
-int RunWithVec(const Plan& plan, FParams kp, bool relu, cudaStream_t stream) {
+void LaunchApplyFor(Activation act, const FParams& kp, bool channels_last,
+                    cudaStream_t stream) {
+  switch (act) {
+    case Activation::kIdentity:
+      return LaunchApplyAct<T, VEC, Activation::kIdentity>(kp, channels_last, stream);
+    case Activation::kRelu:
+      return LaunchApplyAct<T, VEC, Activation::kRelu>(kp, channels_last, stream);
+    case Activation::kRelu6:
+      return LaunchApplyAct<T, VEC, Activation::kRelu6>(kp, channels_last, stream);
+    case Activation::kSwish:
+      return LaunchApplyAct<T, VEC, Activation::kSwish>(kp, channels_last, stream);
+  }
+}
+
+template <typename T, int VEC>
+int RunWithVec(const Plan& plan, FParams kp, Activation act, cudaStream_t stream) {
   if (plan.channels_last) {
     const int bx = ChannelsLastBx(kp.C, VEC);
     kp.bx = bx;
@@ -572,11 +620,7 @@ int RunWithVec(const Plan& plan, FParams kp, bool relu, cudaStream_t stream) {
     }
   }
   Finalize<T><<<fin_grid, kThreads, 0, stream>>>(kp);
-  if (relu) {
-    LaunchApply<T, VEC, true>(kp, plan.channels_last, stream);
-  } else {
-    LaunchApply<T, VEC, false>(kp, plan.channels_last, stream);
-  }
+  LaunchApplyFor<T, VEC>(act, kp, plan.channels_last, stream);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -593,11 +637,6 @@ int BnForwardCuda(const BnForwardParams& params, const BnForwardArgs<T>& args, v
   const BnShape& shape = params.shape;
   if (shape.channels < 0 || shape.outer < 0 || shape.inner < 0) {
     return static_cast<int>(cudaErrorInvalidValue);
-  }
-  // Relu6, Swish and side inputs: not implemented on CUDA yet (the bindings refuse them
-  // with CudaUnsupportedReason's message before launching).
-  if (CudaUnsupportedReason(params.activation, args.side_input != nullptr) != nullptr) {
-    return static_cast<int>(cudaErrorNotSupported);
   }
   const int64_t C = shape.channels;
   if (C == 0) return static_cast<int>(cudaSuccess);
@@ -623,6 +662,7 @@ int BnForwardCuda(const BnForwardParams& params, const BnForwardArgs<T>& args, v
   float* ws = static_cast<float*>(workspace);
   FParams kp{};
   kp.x = args.x;
+  kp.side = args.side_input;
   kp.y = args.y;
   kp.scale = args.scale;
   kp.offset = args.offset;
@@ -660,19 +700,22 @@ int BnForwardCuda(const BnForwardParams& params, const BnForwardArgs<T>& args, v
 
   const int vec = VecWidth<T>(plan.channels_last ? C : shape.inner);
   const size_t vbytes = sizeof(T) * static_cast<size_t>(vec);
-  kp.aligned = (Aligned(args.x, vbytes) && Aligned(args.y, vbytes)) ? 1 : 0;
+  kp.aligned = (Aligned(args.x, vbytes) && Aligned(args.y, vbytes) &&
+                (args.side_input == nullptr || Aligned(args.side_input, vbytes)))
+                   ? 1
+                   : 0;
 
-  const bool relu = params.activation == Activation::kRelu;
+  const Activation act = params.activation;
   switch (vec) {
     case 8:
-      if constexpr (MaxVec<T>() >= 8) return RunWithVec<T, 8>(plan, kp, relu, st);
+      if constexpr (MaxVec<T>() >= 8) return RunWithVec<T, 8>(plan, kp, act, st);
       break;
     case 4:
-      return RunWithVec<T, 4>(plan, kp, relu, st);
+      return RunWithVec<T, 4>(plan, kp, act, st);
     case 2:
-      return RunWithVec<T, 2>(plan, kp, relu, st);
+      return RunWithVec<T, 2>(plan, kp, act, st);
     default:
-      return RunWithVec<T, 1>(plan, kp, relu, st);
+      return RunWithVec<T, 1>(plan, kp, act, st);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }
