@@ -127,6 +127,7 @@ class BuildExt(build_ext):
     def run(self):
         self.parallel = None  # one compile at a time per extension; cache dirs are per ext
         self.rebuild_all = self.force  # --force: recompile every object
+        self.cuda_compiled = set()  # shared CUDA objects compiled in this run
         self._configure()
         super().run()
 
@@ -192,11 +193,20 @@ class BuildExt(build_ext):
             if self._up_to_date(obj, src):
                 return
             if src.endswith(".cu"):
-                cmd = [self.nvcc, "-c", src, "-o", obj, "-std=c++17", "-O3",
-                       "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
-                       "-I" + os.path.join(ROOT, "csrc")] + CUDA_GENCODE
-                print(" ".join(cmd), flush=True)
-                subprocess.check_call(cmd)
+                # nvcc's command does not depend on the extension, so both extensions link
+                # the same object: compiled once into the configuration's shared cuda/ folder
+                # (the slowest step of the build: each .cu is ~4 GPU architectures).
+                shared = os.path.join(self.object_cache, "cuda",
+                                      os.path.relpath(src, ROOT) + ".o")
+                if shared not in self.cuda_compiled and not self._up_to_date(shared, src):
+                    os.makedirs(os.path.dirname(shared), exist_ok=True)
+                    cmd = [self.nvcc, "-c", src, "-o", shared, "-std=c++17", "-O3",
+                           "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
+                           "-I" + os.path.join(ROOT, "csrc")] + CUDA_GENCODE
+                    print(" ".join(cmd), flush=True)
+                    subprocess.check_call(cmd)
+                    self.cuda_compiled.add(shared)
+                shutil.copy2(shared, obj)
                 return
             flags = list(extra_postargs)
             for suffix, isa in ISA_FLAGS.items():
