@@ -104,8 +104,8 @@ def max_rel_err(values, ref):
 
 def compare(ours, keras32, keras64, seeds):
     """Runs one training step of the three models on each seed's batch, each from the same
-    weights (those of keras32 when called). `ours` must have keras32's variables in the same
-    order (checked by path). Returns a dict of per-seed error lists."""
+    weights (those of keras32 when called). `ours` must have keras32's variables (checked by
+    path; their order may differ). Returns a dict of per-seed error lists."""
     init = keras32.get_weights()
     init64 = [_as64(w) for w in init]
     by_path = {v.path: w for v, w in zip(keras32.weights, init)}
@@ -114,7 +114,11 @@ def compare(ours, keras32, keras64, seeds):
     else:  # the same constructor (override()), auto-named layers numbered differently
         init_ours = init
     paths32 = [v.path for v in keras32.trainable_variables]
-    assert [v.path for v in ours.trainable_variables] == paths32
+    # The same variables, in keras32's order: a converted model may order them differently
+    # (a BN+Add+ReLU fusion moves the fused BN after the other branch of the Add).
+    paths_ours = [v.path for v in ours.trainable_variables]
+    assert sorted(paths_ours) == sorted(paths32)
+    grad_order = [paths_ours.index(p) for p in paths32]
     # Non-trainable: the moving statistics (a Dropout of rate 0 has no seed state in the
     # converted model, re-created from its config).
     nt32 = [v.path for v in keras32.non_trainable_variables]
@@ -135,7 +139,7 @@ def compare(ours, keras32, keras64, seeds):
         r64 = train_step(keras64, tf.constant(x.astype(np.float64)), tf.constant(y))
         r32 = r32[:2] + ([r32[2][i] for i in stats],)
         r64 = r64[:2] + ([r64[2][i] for i in stats],)
-        r = r[:2] + ([r[2][i] for i in stats_ours],)
+        r = (r[0], [r[1][i] for i in grad_order], [r[2][i] for i in stats_ours])
         errs["grad_ours"].append(global_rel_err(r[1], r64[1], keep))
         errs["grad_keras"].append(global_rel_err(r32[1], r64[1], keep))
         errs["fwd_ours"].append(max_rel_err([r[0]], [r64[0]]))
