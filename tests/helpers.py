@@ -347,6 +347,20 @@ def fuzz_examples(default):
     return int(os.environ.get("FBN_FUZZ_EXAMPLES", default))
 
 
+def fuzz_generate_only(cfg):
+    """Decorator for a hypothesis property of the forward fuzz children: cfg["examples"]
+    generated examples from seed cfg["seed"], no shrinking, no deadline, no example database,
+    every health check off (the children note each example themselves)."""
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis import seed as hyp_seed
+
+    def apply(prop):
+        return hyp_seed(cfg["seed"])(settings(
+            max_examples=cfg["examples"], deadline=None, database=None,
+            phases=[Phase.generate], suppress_health_check=list(HealthCheck))(prop))
+    return apply
+
+
 def run_fuzz_child(runner, cfg, timeout):
     """Parent side of a fuzz test: runs runner(cfg) ("module:function") in one child process
     (tests/subproc.py), fails unless it finished cleanly (naming the last example it ran),

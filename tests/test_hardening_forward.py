@@ -18,12 +18,12 @@ import math
 import os
 
 import numpy as np
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import seed as hyp_seed
+from hypothesis import given
 from hypothesis import strategies as st
 
 import subproc
-from helpers import assert_fuzz_coverage, fuzz_examples, run_fuzz_child
+from helpers import (assert_fuzz_coverage, fuzz_examples, fuzz_generate_only, np_dtype,
+                     run_fuzz_child)
 
 FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -95,22 +95,18 @@ def reference(x, scale, offset, mean, var, fmt, training, factor, eps):
 
 def run_forward_fuzz(cfg):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import ml_dtypes
     import tensorflow as tf
     from fbn_grad_tf import _loader, core
-    np_dt = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
     stats = {"examples": 0, "rejected_as_expected": 0, "compared_tf": 0}
 
-    @settings(max_examples=cfg["examples"], deadline=None, database=None, derandomize=False,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-    @hyp_seed(cfg["seed"])
+    @fuzz_generate_only(cfg)
     @given(examples())
     def check(ex):
         subproc.note(ex)
         stats["examples"] += 1
         rng = np.random.default_rng(ex["seed"])
         x = (ex["loc"] + rng.standard_normal(ex["dims"])).astype(np.float32)
-        x = x.astype(np_dt[ex["dtype"]])
+        x = x.astype(np_dtype(ex["dtype"]))
         vecs = [rng.uniform(0.5, 1.5, n).astype(np.float32) for n in ex["lens"]]
         kw = dict(x=x, scale=vecs[0], offset=vecs[1] - 1.0, mean=vecs[2], variance=vecs[3],
                   epsilon=ex["epsilon"], exponential_avg_factor=ex["factor"],
@@ -197,21 +193,17 @@ def run_ex_fuzz(cfg):
     epsilon is rejected naming it (op and core alike); otherwise the op equals the core
     bitwise, finite inputs give finite outputs, and y matches a float64 evaluation."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import ml_dtypes
     import tensorflow as tf
     from fbn_grad_tf import _loader, core
-    np_dt = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
     stats = {"examples": 0, "rejected_as_expected": 0, "computed": 0}
 
-    @settings(max_examples=cfg["examples"], deadline=None, database=None, derandomize=False,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-    @hyp_seed(cfg["seed"])
+    @fuzz_generate_only(cfg)
     @given(ex_examples())
     def check(ex):
         subproc.note(ex)
         stats["examples"] += 1
         rng = np.random.default_rng(ex["seed"])
-        dt = np_dt[ex["dtype"]]
+        dt = np_dtype(ex["dtype"])
         shape = ex["dims"]
         c = shape[1] if ex["fmt"] in ("NCHW", "NCDHW") else shape[-1]
         x = (2 * rng.standard_normal(shape)).astype(np.float32)

@@ -27,12 +27,12 @@ the example that was running.
 import os
 
 import numpy as np
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import seed as hyp_seed
+from hypothesis import given
 from hypothesis import strategies as st
 
 import subproc
-from helpers import assert_fuzz_coverage, fuzz_examples, run_fuzz_child
+from helpers import (assert_fuzz_coverage, fuzz_examples, fuzz_generate_only, np_dtype,
+                     run_fuzz_child)
 import test_hardening_forward as fwd
 from test_hardening_core_entry import BAD_ACTIVATIONS, _check_activations, same
 
@@ -87,7 +87,6 @@ def _error_names(ex, expect):
 
 def run_forward_ex_fuzz(cfg):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import ml_dtypes
     import tensorflow as tf
 
     import fbn_grad_tf
@@ -95,7 +94,6 @@ def run_forward_ex_fuzz(cfg):
 
     modes = op_activation_modes(_loader.FORWARD_EX_OP_NAME)
     grad_modes = op_activation_modes(_loader.GRAD_EX_OP_NAME)
-    np_dt = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
     stats = {"examples": 0, "rejected_as_expected": 0, "accepted": 0, "bad_mode": 0,
              "bad_activation": 0, "nonfinite": 0, "empty": 0, "grad_checked": 0,
              "bad_y": 0, "modes": list(modes)}
@@ -110,9 +108,7 @@ def run_forward_ex_fuzz(cfg):
             return
         raise AssertionError("%s: accepted, expected an error naming %s" % (what, names))
 
-    @settings(max_examples=cfg["examples"], deadline=None, database=None,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-    @hyp_seed(cfg["seed"])
+    @fuzz_generate_only(cfg)
     @given(examples())
     def check(ex):
         subproc.note(ex)
@@ -123,7 +119,7 @@ def run_forward_ex_fuzz(cfg):
         for pos, val in ex["nonfinite"]:
             if flat.size:
                 flat[pos % flat.size] = val
-        x = x.astype(np_dt[ex["dtype"]])
+        x = x.astype(np_dtype(ex["dtype"]))
         vecs = [rng.uniform(0.5, 1.5, n).astype(np.float32) for n in ex["lens"]]
         kw = dict(x=x, scale=vecs[0], offset=vecs[1] - 1.0, mean=vecs[2], variance=vecs[3],
                   epsilon=ex["epsilon"], exponential_avg_factor=ex["factor"],
@@ -187,7 +183,7 @@ def run_forward_ex_fuzz(cfg):
         # HOOK(side input): the side-input fuzz of the Ex op goes here (branch exops).
 
         # GradEx with each forward's y.
-        dy = rng.standard_normal(ex["dims"]).astype(np_dt[ex["dtype"]])
+        dy = rng.standard_normal(ex["dims"]).astype(np_dtype(ex["dtype"]))
         rs1, rs2 = (ours[3], ours[4]) if ex["training"] else (vecs[2], vecs[3])
         gkw = dict(y_backprop=dy, x=x, scale=vecs[0], reserve_space_1=rs1,
                    reserve_space_2=rs2, reserve_space_3=ours[5], epsilon=ex["epsilon"],
