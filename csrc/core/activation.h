@@ -4,11 +4,13 @@
 // (ActivationOp<kAct>), never a runtime branch per element.
 //
 //   Identity  act(z) = z                      dz = dy
-//   Relu      act(z) = max(z, 0)              dz = y > 0 ? dy : 0          (from y)
-//   Relu6     act(z) = min(max(z, 0), 6)      dz = 0 < y < 6 ? dy : 0      (from y)
+//   Relu      act(z) = max(z, 0)              dz = y > 0 ? dy : 0          (from y *)
+//   Relu6     act(z) = min(max(z, 0), 6)      dz = 0 < y < 6 ? dy : 0      (from y *)
 //   Swish     act(z) = z * sigmoid(z) (SiLU)  dz = dy * s * (1 + z * (1 - s)), s = sigmoid(z)
 //                                             (z recomputed from x, the statistics, scale,
 //                                             offset and the side input)
+// * The CUDA kernels read y; the CPU kernels on float, when given the offset, recompute z
+//   as Swish does and derive the same mask from it (cpu/backward.inc), one read less.
 // NaN: act(NaN) = NaN in every mode. The Relu/Relu6 masks are selects, as TF's ReluGrad
 // and Relu6Grad: where the mask is false dz is 0 whatever dy is (inf, NaN), and a NaN y
 // gives dz = 0. Swish's derivative is arithmetic: NaN in z or dy gives NaN. Relu6's
@@ -34,7 +36,7 @@ struct ActivationOp;
 
 template <>
 struct ActivationOp<Activation::kIdentity> {
-  static constexpr bool kNeedsY = false;  // the backward reads the forward's y
+  static constexpr bool kNeedsY = false;  // the (CUDA) backward reads the forward's y
   static constexpr bool kNeedsZ = false;  // the backward recomputes z = bn(x) + side
   static FBN_HD float Forward(float z) { return z; }
 };

@@ -19,8 +19,10 @@ struct BnGradParams {
   SavedStat saved_stat = SavedStat::kVariance;
   // The forward's fused activation (y = act(bn(x) + side_input)): y_backprop is turned into
   // dz = y_backprop * act'(z) inside every pass, then the batch-norm backward runs on dz.
-  // Relu/Relu6 read the mask from BnGradArgs::y; Swish recomputes z from x, the statistics,
-  // scale, BnGradArgs::offset and (if given) BnGradArgs::side_input.
+  // Swish recomputes z from x, the statistics, scale, BnGradArgs::offset and (if given)
+  // BnGradArgs::side_input. Relu/Relu6 read the mask from BnGradArgs::y; on the CPU, for
+  // float with the offset given, they recompute z instead and derive the same mask from it
+  // (y is then not read: it must be the forward's output for those inputs, as the op says).
   Activation activation = Activation::kIdentity;
 };
 
@@ -37,8 +39,8 @@ struct BnGradArgs {
   float* dscale = nullptr;
   float* doffset = nullptr;
   // The fused activation's inputs (BnGradParams::activation), same shape and type as x:
-  // y, the forward's output (Relu, Relu6); side_input, the forward's side input (Swish, when
-  // the forward had one). offset: C floats (Swish).
+  // y, the forward's output (Relu, Relu6); side_input, the forward's side input (when the
+  // forward had one). offset: C floats (Swish; Relu/Relu6 on the CPU: see above).
   const T* y = nullptr;
   const T* side_input = nullptr;
   const float* offset = nullptr;

@@ -64,8 +64,9 @@ shape and ignored. reserve_space_4/5 are empty [0] tensors.
 // The backward of our forward with a side input and a fused activation
 // (FbnGrad>FusedBatchNormEx): the inputs of FusedBatchNormGradV3 plus that forward's output y,
 // then (new, as lists so that graphs built before them still load) the forward's offset and
-// side input, read by Swish only, which recomputes z = bn(x) + side_input; outputs those of
-// FusedBatchNormGradV3 plus side_input_backprop (TF's _FusedBatchNormGradEx's list of 0/1).
+// side input, read by Swish, which recomputes z = bn(x) + side_input (and on the CPU, for
+// float, by Relu/Relu6, which then derive their mask from z instead of reading y); outputs
+// those of FusedBatchNormGradV3 plus side_input_backprop (TF's _FusedBatchNormGradEx's list of 0/1).
 // y_backprop becomes dz = y_backprop * act'(z) inside the kernel's passes (no extra pass, no
 // extra tensor); side_input_backprop = dz; "Identity" without side input is
 // FusedBatchNormGradV3 exactly.
@@ -95,9 +96,12 @@ REGISTER_OP("FbnGrad>FusedBatchNormGradEx")
     })
     .Doc(R"doc(
 FusedBatchNormGradV3 of y = act(batch_norm(x) + side_input) (FbnGrad>FusedBatchNormEx): y is
-that forward's output, read by Relu (gradient where y > 0) and Relu6 (where 0 < y < 6);
+that forward's output: Relu passes the gradient where y > 0, Relu6 where 0 < y < 6.
 offset (num_offsets = 1) and side_input (num_side_inputs, the forward's) are read by Swish,
-which recomputes z. side_input_backprop (num_side_inputs outputs) is dz, the gradient of
+which recomputes z. On the CPU, for float with the offset given, Relu and Relu6 also
+recompute z and take the same mask from it without reading y, so y must then be the
+forward's output for x, scale, offset, side_input and the reserve spaces (as it is in the
+registered gradient). side_input_backprop (num_side_inputs outputs) is dz, the gradient of
 batch_norm(x) + side_input.
 )doc");
 #undef FBN_GRAD_OP_COMMON
