@@ -149,8 +149,8 @@ def fused_batch_norm(x, scale, offset, mean=None, variance=None, epsilon=0.001,
     same pass; side_input: None or a tensor of x's shape and dtype, added before the
     activation: y = act(batch_norm(x) + side_input) (a residual connection; its gradient is
     the activation's). The backward computes the activation's derivative inside our backward
-    kernel (Relu/Relu6 from y, Swish from z recomputed from x): no extra pass, no extra
-    tensor.
+    kernel (Swish, and on the CPU float Relu/Relu6, from z recomputed from x; otherwise
+    Relu/Relu6 from y): no extra pass, no extra tensor.
     forward: "ours" (default; our "FbnGrad>FusedBatchNormV3" op where it can run, see
     our_forward_available(), else TF's) or "tf" (TF's FusedBatchNormV3, then the side input
     and the activation with TF ops). Both give the same results up to float rounding, and their
