@@ -20,6 +20,8 @@
 #define FBN_GRAD_TF_CORE_ACTIVATION_H_
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "common.h"
 
@@ -57,6 +59,37 @@ struct ActivationOp<Activation::kRelu6> {
   static FBN_HD bool Passes(float y) { return y > 0.0f && y < 6.0f; }
 };
 
+#if !defined(__CUDA_ARCH__)
+// e^x for the CPU sigmoid: branch-free and made of IEEE float operations and integer bit
+// moves only, so that the CPU loops vectorize it (std::exp is a call per element) and every
+// ISA path, vector body or scalar tail, rounds it identically (-ffp-contract=off).
+// x = k ln2 + r with |r| <= ln2/2 (ln2 in two parts, the first exact in k * part), e^r by
+// Cephes' expf polynomial, 2^k from the exponent bits. About 1 ulp on [-87, 88]. Outside:
+// +inf above 88.72 (e^x overflows), 0 below -87.34; for the sigmoid the few values between
+// (88, 88.72] get e^88 (1 + e^x is then 1.6e38 or more either way). NaN stays NaN.
+inline float ExpForSigmoid(float x) {
+  const float xc = x > 88.0f ? 88.0f : (x < -87.0f ? -87.0f : x);  // NaN passes through
+  // round(xc / ln2) by the 1.5 * 2^23 shifter: its low mantissa bits are then k.
+  const float shifted = xc * 1.44269504088896341f + 12582912.0f;
+  const float kf = shifted - 12582912.0f;
+  const float r = (xc - kf * 0.693359375f) - kf * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float er = p * (r * r) + r + 1.0f;
+  uint32_t bits;
+  std::memcpy(&bits, &shifted, 4);
+  const uint32_t scale_bits = (bits - 0x4B400000u + 127u) << 23;  // 2^k, |k| <= 127
+  float scale;
+  std::memcpy(&scale, &scale_bits, 4);
+  const float e = er * scale;
+  return x > 88.7228391f ? HUGE_VALF : (x < -87.3365479f ? 0.0f : e);
+}
+#endif
+
 template <>
 struct ActivationOp<Activation::kSwish> {
   static constexpr bool kNeedsY = false;
@@ -65,7 +98,7 @@ struct ActivationOp<Activation::kSwish> {
 #if defined(__CUDA_ARCH__)
     return 1.0f / (1.0f + expf(-z));
 #else
-    return 1.0f / (1.0f + std::exp(-z));
+    return 1.0f / (1.0f + ExpForSigmoid(-z));
 #endif
   }
   static FBN_HD float Forward(float z) { return z * Sigmoid(z); }
