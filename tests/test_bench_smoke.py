@@ -446,6 +446,28 @@ def test_model_variants_swap_and_floors():
     assert sum(isinstance(layer, models.PassThrough) for layer in floor_act.layers) == 52 + 35
 
 
+def test_model_dropout_is_off():
+    """Models with dropout (EfficientNet) are benchmarked with rate-0 Dropout layers: each
+    variant is a clone with its own dropout masks, and the first-loss check compares them."""
+    keras = pytest.importorskip("keras")
+    import numpy as np
+    models = bench.models
+    inp = keras.Input((4, 4, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same")(inp)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Dropout(0.5, name="drop")(h)
+    h = keras.layers.SpatialDropout2D(0.5, name="sdrop")(h)
+    m = keras.Model(inp, keras.layers.GlobalAveragePooling2D()(h))
+    off = models.without_dropout(m)
+    assert off is not m
+    assert off.get_layer("drop").rate == 0.0 and off.get_layer("sdrop").rate == 0.0
+    assert m.get_layer("drop").rate == 0.5  # the original is left as it was
+    x = np.random.default_rng(0).standard_normal((2, 4, 4, 3)).astype("float32")
+    a, b = off(x, training=True), off(x, training=True)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert models.without_dropout(off) is off  # nothing left to turn off: the same model
+
+
 def test_model_parse():
     args = bench.build_parser().parse_args(
         ["--model", "ResNet50,tiny", "--policy", "mixed_bfloat16", "--batch", "8", "--size",
