@@ -331,40 +331,40 @@ def test_relu_mask_recomputed_equals_mask_from_y(act, fmt, side):
     from x instead of reading y; it must equal the mask read from the forward's y bitwise,
     also for z at and beside 0 and 6 (inference with a = 1, so z = x + offset exactly) and on
     random training data. (16-bit types always read y: their y is rounded.)"""
-    dtype = "float32"
-    dt = np_dtype(dtype)
     b = _boundary_offsets()
     C = b.size
     shape = (2, 3, 5, C) if fmt == "NHWC" else (2, C, 3, 5)
     rng = np.random.default_rng(3)
-    x = np.zeros(shape, dt)  # z = offset exactly: epsilon 0.25, variance 0.75, scale 1
-    x.flat[::7] = rng.standard_normal(x.size)[::7].astype(np.float32).astype(dt)
-    dy = rng.standard_normal(shape).astype(np.float32).astype(dt)
+    x = np.zeros(shape, np.float32)  # z = offset exactly: epsilon 0.25, variance 0.75, scale 1
+    x.flat[::7] = rng.standard_normal(x.size)[::7]
+    dy = rng.standard_normal(shape).astype(np.float32)
     dy.flat[::5] = np.float32(np.nan)  # a masked-out NaN must not leak
-    s = np.zeros(shape, dt) if side else None
+    s = None
     if side:
-        s.flat[::3] = rng.standard_normal(s.size)[::3].astype(np.float32).astype(dt)
+        s = np.zeros(shape, np.float32)
+        s.flat[::3] = rng.standard_normal(s.size)[::3]
     one, zero = np.ones(C, np.float32), np.zeros(C, np.float32)
-    cases = [dict(x=x, dy=dy, scale=one, offset=b, mean=zero, variance=np.full(C, 0.75,
-                  np.float32), eps=0.25, training=False)]
-    inp = inputs(fmt, dtype, side, True, seed=5)
-    cases.append(dict(x=inp["x"], dy=inp["dy"], scale=inp["scale"], offset=inp["offset"],
-                      mean=None, variance=None, eps=EPS, training=True))
+    inp = inputs(fmt, "float32", side, True, seed=5)
+    cases = [dict(x=x, dy=dy, side=s, scale=one, offset=b, mean=zero,
+                  variance=np.full(C, 0.75, np.float32), eps=0.25, training=False),
+             dict(x=inp["x"], dy=inp["dy"], side=inp["side"], scale=inp["scale"],
+                  offset=inp["offset"], mean=None, variance=None, eps=EPS, training=True)]
     for case in cases:
-        sd = s if case["x"] is x else inp["side"]
         fwd = core.bn_forward(case["x"], case["scale"], case["offset"], case["mean"],
                               case["variance"], epsilon=case["eps"], data_format=fmt,
-                              is_training=case["training"], activation=act, side_input=sd)
+                              is_training=case["training"], activation=act,
+                              side_input=case["side"])
         rs1, rs2 = ((fwd[3], fwd[4]) if case["training"] else (case["mean"], case["variance"]))
         common = dict(epsilon=case["eps"], data_format=fmt, is_training=case["training"],
-                      activation=act, y=fwd[0], side_input=sd, side_input_backprop=True)
+                      activation=act, y=fwd[0], side_input=case["side"],
+                      side_input_backprop=True)
         from_z = core.bn_grad(case["dy"], case["x"], case["scale"], rs1, rs2,
                               offset=case["offset"], **common)
         from_y = core.bn_grad(case["dy"], case["x"], case["scale"], rs1, rs2, **common)
         for name, got, want in zip(("dx", "dscale", "doffset", "dside"), from_z, from_y):
             assert_bitwise_equal(got, want, "%s (%s)" % (name, "train" if case["training"]
                                                         else "boundaries"))
-        if not case["training"]:  # the boundary case does reach both classes of each edge
+        if not case["training"]:  # the boundary case reaches both classes (masked, passed)
             dz = np.asarray(from_z[3], np.float32)
             assert np.any(dz == 0) and np.any(np.isfinite(dz) & (dz != 0))
 

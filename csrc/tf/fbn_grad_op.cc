@@ -66,7 +66,8 @@ shape and ignored. reserve_space_4/5 are empty [0] tensors.
 // then (new, as lists so that graphs built before them still load) the forward's offset and
 // side input, read by Swish, which recomputes z = bn(x) + side_input (and on the CPU, for
 // float, by Relu/Relu6, which then derive their mask from z instead of reading y); outputs
-// those of FusedBatchNormGradV3 plus side_input_backprop (TF's _FusedBatchNormGradEx's list of 0/1).
+// those of FusedBatchNormGradV3 plus side_input_backprop (TF's _FusedBatchNormGradEx's list
+// of 0/1).
 // y_backprop becomes dz = y_backprop * act'(z) inside the kernel's passes (no extra pass, no
 // extra tensor); side_input_backprop = dz; "Identity" without side input is
 // FusedBatchNormGradV3 exactly.
