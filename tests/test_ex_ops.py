@@ -152,6 +152,31 @@ BITWISE = [("NHWC", (8, 32, 32, 24)), ("NCHW", (8, 24, 32, 32)), ("NCHW", (4, 6,
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("act", ACTS, ids=[str(a) for a in ACTS])
+@pytest.mark.parametrize("case", BITWISE[:3], ids=lambda c: "%s-%s" % (c[0], "x".join(map(str, c[1]))))
+def test_side_input_training_equals_plain_backward_of_dz(case, act, dtype):
+    """With a side input the training backward's second pass reads the dz its first pass
+    wrote to side_input_backprop: x/scale/offset backprop are bitwise those of the plain
+    backward of that dz, on 1 and 2 threads."""
+    fmt, shape = case
+    rng = np.random.default_rng(5)
+    C = shape[axes_of(fmt, len(shape))[1]]
+    dt = np_dtype(dtype)
+    inp = dict(x=(2.5 * rng.standard_normal(shape)).astype(np.float32).astype(dt),
+               dy=rng.standard_normal(shape).astype(np.float32).astype(dt),
+               scale=rng.uniform(0.5, 3.0, C).astype(np.float32),
+               offset=rng.uniform(-1.0, 4.0, C).astype(np.float32), mean=None, variance=None,
+               side=(2.0 * rng.standard_normal(shape)).astype(np.float32).astype(dt))
+    for threads in (1, 2):
+        fwd, bwd = run_core(inp, fmt, act, True, num_threads=threads)
+        plain = core.bn_grad(bwd[3], inp["x"], inp["scale"], fwd[3], fwd[4], epsilon=EPS,
+                             data_format=fmt, is_training=True, num_threads=threads)
+        assert np.any(bwd[3] != inp["dy"]) or act is None
+        for i, name in enumerate(("x_backprop", "scale_backprop", "offset_backprop")):
+            assert_bitwise_equal(bwd[i], plain[i], "%s, %d threads" % (name, threads))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("case", BITWISE, ids=lambda c: "%s-%s" % (c[0], "x".join(map(str, c[1]))))
 def test_bitwise_identical_across_isas_and_threads(case, dtype):
     fmt, shape = case
