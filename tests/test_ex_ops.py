@@ -32,9 +32,9 @@ def axes_of(fmt, ndim):
     return tuple(i for i in range(ndim) if i != c), c
 
 
-def inputs(fmt, dtype, side, training, seed=0):
+def inputs(fmt, dtype, side, training, seed=0, shape=None):
     rng = np.random.default_rng(seed)
-    shape = SHAPES[fmt]
+    shape = SHAPES[fmt] if shape is None else shape
     _, c_axis = axes_of(fmt, len(shape))
     C = shape[c_axis]
     dt = np_dtype(dtype)
@@ -159,14 +159,7 @@ def test_side_input_training_equals_plain_backward_of_dz(case, act, dtype):
     wrote to side_input_backprop: x/scale/offset backprop are bitwise those of the plain
     backward of that dz, on 1 and 2 threads."""
     fmt, shape = case
-    rng = np.random.default_rng(5)
-    C = shape[axes_of(fmt, len(shape))[1]]
-    dt = np_dtype(dtype)
-    inp = dict(x=(2.5 * rng.standard_normal(shape)).astype(np.float32).astype(dt),
-               dy=rng.standard_normal(shape).astype(np.float32).astype(dt),
-               scale=rng.uniform(0.5, 3.0, C).astype(np.float32),
-               offset=rng.uniform(-1.0, 4.0, C).astype(np.float32), mean=None, variance=None,
-               side=(2.0 * rng.standard_normal(shape)).astype(np.float32).astype(dt))
+    inp = inputs(fmt, dtype, True, True, seed=5, shape=shape)
     for threads in (1, 2):
         fwd, bwd = run_core(inp, fmt, act, True, num_threads=threads)
         plain = core.bn_grad(bwd[3], inp["x"], inp["scale"], fwd[3], fwd[4], epsilon=EPS,
