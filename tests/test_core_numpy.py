@@ -7,6 +7,9 @@
   scalar helpers and in the vectorized conversions inside the kernels.
 * The core's validation errors.
 """
+import os
+import subprocess
+import sys
 import zlib
 
 import ml_dtypes
@@ -15,7 +18,8 @@ import pytest
 
 from fbn_grad_tf import _core, core
 from helpers import (DTYPES, EPSILON, FORMATS, Case, assert_bitwise_equal, assert_outputs_close,
-                     bits, make_inputs, make_shape, np_dtype, reference_float64, run_core)
+                     bits, make_inputs, make_shape, np_dtype, reference_float64, run_core,
+                     subprocess_env)
 
 THREADS = (1, 2, 5)
 
@@ -100,6 +104,43 @@ def test_isa_queries():
     assert supported == sorted(supported, reverse=True)
     with pytest.raises(ValueError, match="isa"):
         core.cpu_supports("sse9")
+
+
+def _cpu_vendor():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+@pytest.mark.skipif(os.environ.get("FBN_GRAD_TF_PREFETCH", "auto") != "auto",
+                    reason="FBN_GRAD_TF_PREFETCH is set in this environment")
+def test_software_prefetch_follows_the_cpu_vendor():
+    # Off on AMD (where the backward measured faster without it), on elsewhere.
+    vendor = _cpu_vendor()
+    if vendor is None:
+        pytest.skip("no vendor_id in /proc/cpuinfo")
+    assert core.software_prefetch() == (vendor != "AuthenticAMD")
+
+
+@pytest.mark.parametrize("value, want", [("on", True), ("1", True), ("off", False),
+                                         ("0", False), ("bogus", None)])
+def test_software_prefetch_environment_override(value, want):
+    child = ("from fbn_grad_tf import _core; print(_core.software_prefetch())")
+    p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                       env=subprocess_env(FBN_GRAD_TF_PREFETCH=value), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    if want is None:  # an unknown value: a warning and the CPU vendor's default
+        assert "ignoring FBN_GRAD_TF_PREFETCH=bogus" in p.stderr
+        vendor = _cpu_vendor()
+        if vendor is None:
+            return
+        want = vendor != "AuthenticAMD"
+    assert p.stdout.strip() == str(want)
 
 
 def test_auto_isa_and_all_threads_match_default():

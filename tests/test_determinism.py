@@ -2,7 +2,8 @@
 
 TensorFlow's thread pools cannot be resized after initialization, so each configuration runs
 in a child Python process: intra-op threads 1, 2 and 4 (and the CPU paths forced through
-FBN_GRAD_TF_ISA, and every call at once in one tf.function with inter-op parallelism), on
+FBN_GRAD_TF_ISA, the software prefetch forced on and off through FBN_GRAD_TF_PREFETCH, and
+every call at once in one tf.function with inter-op parallelism), on
 the same seeded inputs, each computing every case twice, with the plain backward and with
 the fused one (FusedBatchNormGradEx: Relu6, Swish with a side input). The children
 save the raw output bits; all of them must be identical.
@@ -44,7 +45,8 @@ CHILD = textwrap.dedent(r"""
     from helpers import bits, make_inputs
     cases = %(cases)r
     result = {"intra_op_threads": np.array(tf.config.threading.get_intra_op_parallelism_threads()),
-              "isa": np.array(core.default_isa())}
+              "isa": np.array(core.default_isa()),
+              "prefetch": np.array(core.software_prefetch())}
     calls = {}
     for i, (fmt, shape, dtype) in enumerate(cases):
         for training in (True, False):
@@ -102,6 +104,9 @@ CONFIGS = {  # name -> (intra-op threads, inter-op threads, extra environment)
     # The CPU path forced through the environment (the other paths are compared with each
     # other in test_core_numpy.py; this checks the op honours the override).
     "threads3-baseline": (3, 1, {"FBN_GRAD_TF_ISA": "baseline"}),
+    # The software prefetch (on by default except on AMD CPUs) changes speed only.
+    "threads2-prefetch-on": (2, 1, {"FBN_GRAD_TF_PREFETCH": "on"}),
+    "threads2-prefetch-off": (2, 1, {"FBN_GRAD_TF_PREFETCH": "off"}),
     # Every call in one tf.function with 4 inter-op threads: our ops run at the same time
     # and compete for the 2 intra-op threads.
     "threads2-concurrent": (2, 4, {}),
@@ -136,6 +141,9 @@ def test_children_ran_with_requested_configuration(child_outputs):
         out = child_outputs[name]
         assert int(out["intra_op_threads"]) == threads
         assert str(out["isa"]) == env.get("FBN_GRAD_TF_ISA", core.default_isa())
+        want = {"on": True, "off": False}.get(env.get("FBN_GRAD_TF_PREFETCH"),
+                                              core.software_prefetch())
+        assert bool(out["prefetch"]) == want
 
 
 def test_repeated_runs_in_one_process_bitwise_equal(child_outputs):

@@ -450,6 +450,27 @@ CpuIsa DefaultCpuIsa() {
   return chosen;
 }
 
+bool SoftwarePrefetch() {
+  static const bool chosen = [] {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    const bool by_vendor = !__builtin_cpu_is("amd");
+#else
+    const bool by_vendor = true;
+#endif
+    const char* env = std::getenv("FBN_GRAD_TF_PREFETCH");
+    if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return by_vendor;
+    if (std::strcmp(env, "on") == 0 || std::strcmp(env, "1") == 0) return true;
+    if (std::strcmp(env, "off") == 0 || std::strcmp(env, "0") == 0) return false;
+    std::fprintf(stderr,
+                 "fbn_grad_tf: ignoring FBN_GRAD_TF_PREFETCH=%s (expected on, off or auto); "
+                 "using %s\n",
+                 env, by_vendor ? "on" : "off");
+    return by_vendor;
+  }();
+  return chosen;
+}
+
 template <typename T>
 cpu::KernelSet<T> cpu::KernelsFor(CpuIsa isa) {
   // An unsupported request falls back to the best supported path.

@@ -171,6 +171,16 @@ bool CpuSupports(CpuIsa isa);
 // (baseline | avx2 | avx512 | avx512bf16 | auto) asks for a lower one. Read once.
 CpuIsa DefaultCpuIsa();
 
+// Whether the CPU backward issues software prefetches ahead of each input run
+// (backward.inc, PrefetchInputs). They change no result, only speed, and which way is faster
+// depends on the CPU: on a 2-core Xeon they made the DRAM-bound backward 5-15% faster; on a
+// 2-core AMD EPYC (Zen 4) they made it slower: the fused backward's op time inside
+// ResNet50 and MobileNetV2 training steps (float32 and mixed_bfloat16) was 1.14-1.28x
+// lower without them, 32x14x14x1024 alone 1.36-1.42x (docs/BENCHMARK.md, "Software
+// prefetch by CPU vendor"). So: off on AMD CPUs, on elsewhere, unless the environment
+// variable FBN_GRAD_TF_PREFETCH (on | off | auto) says otherwise. Read once.
+bool SoftwarePrefetch();
+
 // Scalar conversions used everywhere on the CPU (round to nearest even, NaN kept quiet).
 float HalfToFloat(half_t h);
 half_t FloatToHalf(float f);

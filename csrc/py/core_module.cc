@@ -492,6 +492,9 @@ PYBIND11_MODULE(_core, m) {
         py::arg("saved_stat"), py::arg("num_threads"), py::arg("isa"));
   m.def("cpu_supports", [](const std::string& isa) { return fbn::CpuSupports(Isa(isa)); });
   m.def("default_isa", [] { return std::string(fbn::CpuIsaName(fbn::DefaultCpuIsa())); });
+  m.def("software_prefetch", [] { return fbn::SoftwarePrefetch(); },
+        "Whether the CPU backward prefetches its inputs in software (off on AMD CPUs; "
+        "FBN_GRAD_TF_PREFETCH=on|off|auto)");
   m.def("isa_names", [] {
     std::vector<std::string> names;
     for (fbn::CpuIsa isa : fbn::kCpuIsas) names.push_back(fbn::CpuIsaName(isa));

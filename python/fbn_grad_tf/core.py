@@ -17,11 +17,14 @@ import numpy as np
 from . import _core
 
 __all__ = ["bn_grad", "bn_forward", "validate", "validate_forward", "default_isa", "cpu_supports",
-           "CPU_ISAS", "with_cuda", "bfloat16"]
+           "software_prefetch", "CPU_ISAS", "with_cuda", "bfloat16"]
 
 with_cuda = bool(_core.with_cuda)
 default_isa = _core.default_isa
 cpu_supports = _core.cpu_supports
+# Whether the CPU backward prefetches its inputs in software: off on AMD CPUs, where that
+# measured faster, on elsewhere; FBN_GRAD_TF_PREFETCH=on|off|auto overrides (read once).
+software_prefetch = _core.software_prefetch
 # Every CPU path compiled in, lowest first; cpu_supports(name) says which this CPU can run.
 CPU_ISAS = tuple(_core.isa_names())
 validate = _core.validate

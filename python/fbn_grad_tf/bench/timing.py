@@ -234,6 +234,10 @@ def _machine_meta():
         from .. import core
         meta["fbn_grad_tf_isa"] = core.default_isa() if callable(core.default_isa) \
             else core.default_isa
+        meta["fbn_grad_tf_prefetch"] = bool(core.software_prefetch())
+        # The headers print the ISA string: say there whether the backward prefetches.
+        meta["fbn_grad_tf_isa"] += ", software prefetch %s" % (
+            "on" if meta["fbn_grad_tf_prefetch"] else "off")
     except Exception as e:  # pragma: no cover
         meta["fbn_grad_tf_isa"] = "unknown (%s)" % e
     return meta
