@@ -13,6 +13,7 @@ of each under the TF profiler (fbn_grad_tf.bench.trace) and prints per BN layer:
 * TF bwd+act: TF's batch-norm gradient op + the gradient op of the activation after it (for
   BN+Add+ReLU, the ReLU after the Add is put on the Add's last BN input), ms per step;
 * conv: our fused backward op, ms per step, and c/T, its ratio to TF's two;
+* beside: the op type that ran on another thread for the longest part of the backward.
 * overlap: median share of the backward op's time during which another op ran on another
   thread (TF / ours);
 * GB/s: 5 tensor passes of float32 over our backward op's time (a scale, not a roofline);
@@ -77,13 +78,17 @@ def op_events(space):
     return events
 
 
-def overlap_share(events, s, e, tid):
+def overlap_share(events, s, e, tid, beside=None):
+    """Share of [s, e) during which ops ran on other threads; adds each such op type's
+    overlapped time to the Counter `beside` if given."""
     busy = 0
-    for s2, e2, t2, _, _ in events:
+    for s2, e2, t2, _, typ in events:
         if s2 >= e:
             break
         if t2 != tid and e2 > s:
             busy += min(e, e2) - max(s, s2)
+            if beside is not None:
+                beside[typ] += min(e, e2) - max(s, s2)
     return busy / max(e - s, 1)
 
 
@@ -117,6 +122,7 @@ def main(argv):
 
     times = collections.defaultdict(lambda: collections.defaultdict(float))
     overlaps = collections.defaultdict(list)
+    besides = collections.defaultdict(collections.Counter)
     for st in traced:
         v = st["variant"]
         for s, e, tid, op_name, typ in events:
@@ -132,9 +138,15 @@ def main(argv):
                 "act_bwd" if grad else "act_fwd")
             times[(v, layer)][kind] += (e - s) / 1e9 / nsteps
             if kind == "bwd":
-                overlaps[(v, layer)].append(overlap_share(events, s, e, tid))
-    fmt = "%-26s %-12s %-12s %-7s %-6s %-10s %-6s %s"
-    print(fmt % ("layer", "shape", "TF bwd+act", "conv", "c/T", "overlap", "GB/s", "fwd TF/conv"))
+                overlaps[(v, layer)].append(
+                    overlap_share(events, s, e, tid, besides[(v, layer)]))
+    fmt = "%-26s %-12s %-12s %-7s %-6s %-10s %-6s %-11s %s"
+    print(fmt % ("layer", "shape", "TF bwd+act", "conv", "c/T", "overlap", "GB/s", "fwd TF/conv",
+                 "beside TF / conv (the op type overlapping each backward most)"))
+
+    def top(key):
+        c = besides[key]
+        return c.most_common(1)[0][0] if c else "-"
     totals = collections.Counter()
     for layer, shape in shapes.items():
         tf_t, cv = times[("tf_fused", layer)], times[("conv", layer)]
@@ -146,7 +158,8 @@ def main(argv):
                      "%.2f+%.2f" % (tf_t["bwd"], tf_t["act_bwd"]), "%.2f" % cv["bwd"],
                      "%.2f" % (cv["bwd"] / tf_bwd) if tf_bwd else "-", "/".join(ov),
                      "%.1f" % (elements * 20 / (cv["bwd"] * 1e6)) if cv["bwd"] else "-",
-                     "%.2f/%.2f" % (tf_t["fwd"] + tf_t["act_fwd"], cv["fwd"] + cv["act_fwd"])))
+                     "%.2f/%.2f" % (tf_t["fwd"] + tf_t["act_fwd"], cv["fwd"] + cv["act_fwd"]),
+                     "%s / %s" % (top(("tf_fused", layer)), top(("conv", layer)))))
         totals["TF bwd+act"] += tf_bwd
         totals["conv bwd"] += cv["bwd"]
         totals["TF fwd+act"] += tf_t["fwd"] + tf_t["act_fwd"]
