@@ -37,6 +37,8 @@ BITWISE_CASES = [
     ("NHWC", (4, 16, 16, 64)),      # whole 64-channel register blocks, many rows per run
     ("NHWC", (2, 20, 20, 48)),      # a 3-group block on AVX-512, 2 + 1 on AVX2, 1 x 3 baseline
     ("NHWC", (1, 4, 20, 2100)),     # rows longer than every run: rows split at run offsets
+    ("NHWC", (4, 12, 12, 256)),     # wide rows walked row by row: 2 float, 4 16-bit rows a run
+    ("NHWC", (2, 10, 10, 300)),     # the same with partial blocks and a scalar tail
 ]
 
 
