@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fbn_grad_tf import _core, core
+from fbn_grad_tf.bench.timing import cpuinfo_field
 from helpers import (DTYPES, EPSILON, FORMATS, Case, assert_bitwise_equal, assert_outputs_close,
                      bits, make_inputs, make_shape, np_dtype, reference_float64, run_core,
                      subprocess_env)
@@ -108,25 +109,20 @@ def test_isa_queries():
         core.cpu_supports("sse9")
 
 
-def _cpu_vendor():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+def _prefetch_by_vendor():
+    """The software prefetch the CPU vendor calls for: off on AMD (where the backward
+    measured faster without it), on elsewhere; None without a vendor_id to go by."""
+    vendor = cpuinfo_field("vendor_id")
+    return None if vendor is None else vendor != "AuthenticAMD"
 
 
 @pytest.mark.skipif(os.environ.get("FBN_GRAD_TF_PREFETCH", "auto") != "auto",
                     reason="FBN_GRAD_TF_PREFETCH is set in this environment")
 def test_software_prefetch_follows_the_cpu_vendor():
-    # Off on AMD (where the backward measured faster without it), on elsewhere.
-    vendor = _cpu_vendor()
-    if vendor is None:
+    want = _prefetch_by_vendor()
+    if want is None:
         pytest.skip("no vendor_id in /proc/cpuinfo")
-    assert core.software_prefetch() == (vendor != "AuthenticAMD")
+    assert core.software_prefetch() == want
 
 
 @pytest.mark.parametrize("value, want", [("on", True), ("1", True), ("off", False),
@@ -138,10 +134,9 @@ def test_software_prefetch_environment_override(value, want):
     assert p.returncode == 0, p.stderr[-2000:]
     if want is None:  # an unknown value: a warning and the CPU vendor's default
         assert "ignoring FBN_GRAD_TF_PREFETCH=bogus" in p.stderr
-        vendor = _cpu_vendor()
-        if vendor is None:
+        want = _prefetch_by_vendor()
+        if want is None:
             return
-        want = vendor != "AuthenticAMD"
     assert p.stdout.strip() == str(want)
 
 

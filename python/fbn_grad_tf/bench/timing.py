@@ -30,15 +30,21 @@ def _fmt_duration(s):
     return "%d:%02d" % (s // 60, s % 60)
 
 
-def _cpu_model():
+def cpuinfo_field(key):
+    """The first value of `key` ("model name", "vendor_id", ...) in /proc/cpuinfo, or None
+    where there is no such file or field."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_model():
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def configure_threads(threads):
