@@ -481,25 +481,3 @@ def test_graphs_without_the_new_attrs_still_run():
         with tf.compat.v1.Session(graph=g2) as sess:
             y = sess.run(g2.get_tensor_by_name(out[0].name))
     assert y.shape == (2, 3, 3, 4) and np.all(y >= 0)
-
-
-@pytest.mark.parametrize("act,side", [("relu6", False), ("swish", True), ("relu", True)])
-def test_gpu_visible_keeps_unsupported_fusions_as_tf_ops(monkeypatch, act, side):
-    """Where GPUs are visible the Python layers fuse only ReLU without a side input (until the
-    CUDA kernels of the other modes have passed scripts/gpu_check.py part (e) on a GPU): the
-    rest runs as TF ops after our BN op, with the same values."""
-    from fbn_grad_tf import nn
-    monkeypatch.setattr(nn, "_gpus_visible", lambda: True)
-    x = tf.random.stateless_normal([4, 5, 5, 8], seed=[1, 2])
-    r = tf.random.stateless_normal([4, 5, 5, 8], seed=[3, 4]) if side else None
-    scale, offset = tf.ones([8]), tf.zeros([8])
-
-    @tf.function
-    def run():
-        return fbn_grad_tf.fused_batch_norm(x, scale, offset, activation=act, side_input=r)[0]
-
-    types = {n.op for n in run.get_concrete_function().graph.as_graph_def().node}
-    assert "FbnGrad>FusedBatchNormV3" in types and "FbnGrad>FusedBatchNormEx" not in types
-    monkeypatch.setattr(nn, "_gpus_visible", lambda: False)
-    fused = fbn_grad_tf.fused_batch_norm(x, scale, offset, activation=act, side_input=r)[0]
-    np.testing.assert_allclose(run(), fused, rtol=1e-6, atol=1e-6)

@@ -105,7 +105,13 @@ struct ActivationOp<Activation::kSwish> {
   // d act / dz, in the form of TF's swish gradient: s * (1 + z * (1 - s)).
   static FBN_HD float Derivative(float z) {
     const float s = Sigmoid(z);
+#if defined(__CUDA_ARCH__)
+    // Each operation rounded on its own, as the CPU kernels do (-ffp-contract=off): nvcc
+    // would fuse z * (1 - s) + 1 into an FMA or not depending on the code around it.
+    return __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(z, __fsub_rn(1.0f, s))));
+#else
     return s * (1.0f + z * (1.0f - s));
+#endif
   }
 };
 

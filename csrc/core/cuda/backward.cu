@@ -144,7 +144,11 @@ __device__ __forceinline__ void LoadDzX(const KParams& p, int64_t off, bool alig
     for (int v = 0; v < VEC; ++v) {
       float z = PreActivation(fx[v], mean[v], zk[v], zb[v]);
       if constexpr (kSide) z = AddSide(z, fs[v]);
-      dz[v] = Dev<T>::Round(dz[v] * Op::Derivative(z));
+      // __fmul_rn: never fused with what consumes dz. For float, Round is the identity,
+      // and nvcc contracted dy * d into the pass's next operation (dx's dz - b, the sum
+      // s1 + dz) differently in the two passes, so dx was not bitwise the plain backward of
+      // the side_input_backprop that the first pass stored (seen on an H200).
+      dz[v] = Dev<T>::Round(__fmul_rn(dz[v], Op::Derivative(z)));
     }
   }
 }
