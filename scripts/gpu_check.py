@@ -1248,9 +1248,9 @@ def run_benchmark(bn_grad, torch, epsilon, iters, reps, dtypes, layouts):
     print("(c) benchmark: device copy bandwidth %.0f GB/s (1 GiB torch copy, read+write, %.3f ms)"
           % (bw, t_copy * 1e3))
     print("    training backward, bytes = read dy + read x + write dx; ratio = ours/baseline "
-          "time (<1: ours faster). Times: device time per call from CUDA-graph replays; "
-          "'call us': ours called eagerly from Python, '*' = host-bound there (enqueue time "
-          ">= 90% of the call)")
+          "time (<1: ours faster). Times: device time per call from CUDA-graph replays "
+          "('e': the capture failed, eager time); 'call us': ours called eagerly from Python, "
+          "'*' = host-bound there (enqueue time >= 90% of the call)")
     print("  %-20s %-5s %-8s %9s %9s %9s %7s %7s %8s %6s %9s %8s" % (
         "shape (NHWC)", "fmt", "dtype", "ours us", "cudnn us", "native us", "r.cudnn",
         "r.native", "GB/s", "%copy", "dx err", "call us"))
@@ -1308,7 +1308,8 @@ def run_benchmark(bn_grad, torch, epsilon, iters, reps, dtypes, layouts):
         # eager figure is the host's. Eager where a capture failed.
         graphs = capture_graphs(torch, all_fns, reps)
         med = dict(call)
-        med.update(time_graph_replays(torch, graphs, iters, reps))
+        graphs_timed = time_graph_replays(torch, graphs, iters, reps)
+        med.update(graphs_timed)
         del graphs
         nbytes = 3 * x.numel() * x.element_size()
         gbs = nbytes / med["ours"] / 1e9
@@ -1319,10 +1320,11 @@ def run_benchmark(bn_grad, torch, epsilon, iters, reps, dtypes, layouts):
         rn = med["ours"] / med["native"] if "native" in med else float("nan")
         if "cudnn" in med:
             ratios.append(rc)
+        eager = " " if "ours" in graphs_timed else "e"  # e: no graph, eager time
         flag = "*" if hmed["ours"] >= 0.9 * call["ours"] else " "
-        print("  %-20s %-5s %-8s %8.1f%s %s %7.2f %7.2f %8.0f %5.0f%% %9s %8.1f" % (
-            "%dx%dx%dx%d" % (n, h, w, c), layout, dtype, med["ours"] * 1e6, flag, " ".join(cells),
-            rc, rn, gbs, 100 * gbs / bw, err_s, call["ours"] * 1e6))
+        print("  %-20s %-5s %-8s %8.1f%s %s %7.2f %7.2f %8.0f %5.0f%% %9s %7.1f%s" % (
+            "%dx%dx%dx%d" % (n, h, w, c), layout, dtype, med["ours"] * 1e6, eager,
+            " ".join(cells), rc, rn, gbs, 100 * gbs / bw, err_s, call["ours"] * 1e6, flag))
         rows += 1
         del x, dy, out, fns
         torch.cuda.empty_cache()
