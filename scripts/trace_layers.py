@@ -4,7 +4,11 @@ A development diagnostic (not run in CI; docs/BENCHMARK.md, "Per layer inside th
 `python -m fbn_grad_tf.bench --model --trace` sums BN (+activation) op times per step; this
 splits them by BN layer, to find which layers an in-model gap comes from.
 
-    .venv/bin/python scripts/trace_layers.py [MODEL [POLICY [STEPS]]]   # resnet50 float32 6
+    .venv/bin/python scripts/trace_layers.py [MODEL [POLICY [STEPS [VARIANT]]]]
+                                              # resnet50 float32 6 conv
+
+VARIANT: conv (default; fbn_grad_tf.keras.convert) or ours (every BN our layer, the
+activations left as TF ops: the "ours" variant of bench --model).
 
 Builds MODEL (batch 16, 96x96, synthetic data, dropout off), its TF-fused variant (every BN
 on TF's FusedBatchNormV3 and gradient) and its converted variant (fbn_grad_tf.keras.convert:
@@ -12,7 +16,8 @@ fused activation and residual Add), warms both up, traces STEPS interleaved trai
 of each under the TF profiler (fbn_grad_tf.bench.trace) and prints per BN layer:
 * TF bwd+act: TF's batch-norm gradient op + the gradient op of the activation after it (for
   BN+Add+ReLU, the ReLU after the Add is put on the Add's last BN input), ms per step;
-* conv: our fused backward op, ms per step, and c/T, its ratio to TF's two;
+* conv: our fused backward op (VARIANT ours: our backward op + the activation's gradient
+  op), ms per step, and c/T, its ratio to TF's two;
 * beside: the op type that ran on another thread for the longest part of the backward.
 * overlap: median share of the backward op's time during which another op ran on another
   thread (TF / ours);
@@ -32,7 +37,7 @@ from fbn_grad_tf.bench import models as M, trace as T
 BATCH, SIZE, CLASSES = 16, 96, 10
 
 
-def build(name, policy):
+def build(name, policy, variant="conv"):
     keras.mixed_precision.set_global_policy(policy)
     keras.utils.set_random_seed(0)
     base = M.build_model(name, SIZE, CLASSES)
@@ -41,7 +46,8 @@ def build(name, policy):
         learning_rate = 0.01
 
     models = {"tf_fused": M._compile(M._build_tf_fused(base), Config),
-              "conv": M._compile(M._build_converted(base), Config)}
+              "conv": M._compile((M._build_ours if variant == "ours" else M._build_converted)(
+                  base), Config)}
     return base, models
 
 
@@ -96,7 +102,13 @@ def main(argv):
     name = argv[1] if len(argv) > 1 else "resnet50"
     policy = argv[2] if len(argv) > 2 else "float32"
     nsteps = int(argv[3]) if len(argv) > 3 else 6
-    base, models = build(name, policy)
+    variant = argv[4] if len(argv) > 4 else "conv"
+    if variant not in ("conv", "ours"):
+        sys.exit("VARIANT must be conv or ours, got %r" % variant)
+    base, models = build(name, policy, variant)
+    print("variant %s: %s" % (variant, "our BN layers, TF's activation ops after them (its "
+          "backward column adds their gradients)" if variant == "ours" else
+          "converted, activations fused"), file=sys.stderr)
     shapes = {l.name: tuple(l.output.shape[1:]) for l in base.layers if M._is_bn(l)}
     act_owner = owners(base)
     x = tf.random.stateless_uniform([BATCH, SIZE, SIZE, 3], [0, 1], 0.0, 1.0)
@@ -151,17 +163,18 @@ def main(argv):
     for layer, shape in shapes.items():
         tf_t, cv = times[("tf_fused", layer)], times[("conv", layer)]
         tf_bwd = tf_t["bwd"] + tf_t["act_bwd"]
+        cv_bwd = cv["bwd"] + cv["act_bwd"]  # act_bwd: 0 when converted (fused)
         ov = ["%.0f%%" % (100 * statistics.median(overlaps[(k, layer)]))
               if overlaps[(k, layer)] else "-" for k in ("tf_fused", "conv")]
         elements = BATCH * int(np.prod(shape))
         print(fmt % (layer, "x".join(map(str, shape)),
-                     "%.2f+%.2f" % (tf_t["bwd"], tf_t["act_bwd"]), "%.2f" % cv["bwd"],
-                     "%.2f" % (cv["bwd"] / tf_bwd) if tf_bwd else "-", "/".join(ov),
+                     "%.2f+%.2f" % (tf_t["bwd"], tf_t["act_bwd"]), "%.2f" % cv_bwd,
+                     "%.2f" % (cv_bwd / tf_bwd) if tf_bwd else "-", "/".join(ov),
                      "%.1f" % (elements * 20 / (cv["bwd"] * 1e6)) if cv["bwd"] else "-",
                      "%.2f/%.2f" % (tf_t["fwd"] + tf_t["act_fwd"], cv["fwd"] + cv["act_fwd"]),
                      "%s / %s" % (top(("tf_fused", layer)), top(("conv", layer)))))
         totals["TF bwd+act"] += tf_bwd
-        totals["conv bwd"] += cv["bwd"]
+        totals["conv bwd"] += cv_bwd
         totals["TF fwd+act"] += tf_t["fwd"] + tf_t["act_fwd"]
         totals["conv fwd"] += cv["fwd"] + cv["act_fwd"]
     print("totals, ms per step:", {k: round(v, 2) for k, v in totals.items()})
