@@ -1223,25 +1223,6 @@ def capture_graphs(torch, fns, reps):
     return graphs
 
 
-def time_graph_replays(torch, graphs, iters, reps):
-    """Median seconds per call (one replay = reps calls), replays interleaved."""
-    names = list(graphs)
-    for n in names:
-        graphs[n]()
-    torch.cuda.synchronize()
-    events = {n: [] for n in names}
-    for it in range(iters):
-        for n in names[it % len(names):] + names[:it % len(names)]:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graphs[n]()
-            e.record()
-            events[n].append((s, e))
-    torch.cuda.synchronize()
-    return {n: float(np.median([s.elapsed_time(e) / 1e3 / reps for s, e in events[n]]))
-            for n in names}
-
-
 def run_benchmark(bn_grad, torch, epsilon, iters, reps, dtypes, layouts):
     torch.backends.cudnn.enabled = True
     bw, t_copy = copy_bandwidth(torch)
@@ -1308,7 +1289,9 @@ def run_benchmark(bn_grad, torch, epsilon, iters, reps, dtypes, layouts):
         # eager figure is the host's. Eager where a capture failed.
         graphs = capture_graphs(torch, all_fns, reps)
         med = dict(call)
-        graphs_timed = time_graph_replays(torch, graphs, iters, reps)
+        # One replay is `reps` calls: time replays as single calls, then per call.
+        graphs_timed = {name: t / reps for name, t in
+                        time_interleaved(torch, graphs, iters, 1)[0].items()}
         med.update(graphs_timed)
         del graphs
         nbytes = 3 * x.numel() * x.element_size()
