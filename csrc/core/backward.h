@@ -27,7 +27,8 @@ struct BnGradParams {
 };
 
 // Pointers of one call. dy, x, dx have shape.elements() elements of T; the rest C floats.
-// dx may not alias dy or x.
+// In place: dx may be dy or x itself (the same pointer; the TF op reuses an input's buffer
+// when nothing else holds it), side_input_backprop may be dy itself; no other overlap.
 template <typename T>
 struct BnGradArgs {
   const T* dy = nullptr;
@@ -45,7 +46,7 @@ struct BnGradArgs {
   const T* side_input = nullptr;
   const float* offset = nullptr;
   // Optional output (the forward had a side input): side_input_backprop = dz, written in
-  // the first pass. Same shape and type as x; may not alias any input.
+  // the first pass. Same shape and type as x; may be dy itself (see above), no other input.
   T* side_input_backprop = nullptr;
 };
 
