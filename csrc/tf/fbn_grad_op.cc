@@ -188,11 +188,16 @@ class FbnGradOpBase : public OpKernel {
     }
     const int64_t C = v.shape.channels;
     Tensor* unused = nullptr;
-    const std::vector<int> dy_or_x = in_place ? std::vector<int>{0, 1} : std::vector<int>{};
     const bool side = num_side_inputs_ == 1;
-    if ((side && !Allocate(ctx, 5, x.shape(), in_place ? std::vector<int>{0} : std::vector<int>{},
-                           &p->side_input_backprop)) ||
-        !Allocate(ctx, 0, x.shape(), side && in_place ? std::vector<int>{1} : dy_or_x, &p->dx) ||
+    // Inputs whose buffers the full-size outputs may take (none: fresh buffers). With a side
+    // input, y_backprop's goes to side_input_backprop (allocated first) and x's to x_backprop.
+    std::vector<int> dx_reuse, side_reuse;
+    if (in_place) {
+      side_reuse = {0};
+      dx_reuse = side ? std::vector<int>{1} : std::vector<int>{0, 1};
+    }
+    if ((side && !Allocate(ctx, 5, x.shape(), side_reuse, &p->side_input_backprop)) ||
+        !Allocate(ctx, 0, x.shape(), dx_reuse, &p->dx) ||
         !Allocate(ctx, 1, TensorShape({C}), {}, &p->dscale) ||
         !Allocate(ctx, 2, TensorShape({C}), {}, &p->doffset) ||
         !Allocate(ctx, 3, TensorShape({0}), {}, &unused) ||
