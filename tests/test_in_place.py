@@ -11,7 +11,7 @@ dx of a large tensor). Op level: our ops inside a tf.function whose inputs are i
 import numpy as np
 import pytest
 
-from fbn_grad_tf import _core, core
+from fbn_grad_tf import core
 from helpers import assert_bitwise_equal, make_inputs
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -31,9 +31,9 @@ ALIASES = {"dx=dy": ("dx", "dy"), "dx=x": ("dx", "x"), "side=dy": ("side", "dy")
 
 
 def _raw_grad(inp, fmt, training, mode, alias):
-    """The backward through the raw entry point. alias: None (fresh outputs) or (output,
-    input) of ALIASES, the output then written into a copy of that input. Returns
-    (dx, dscale, doffset, side_input_backprop or None)."""
+    """The backward through bn_grad's raw CPU call (core._bn_grad_cpu). alias: None (fresh
+    outputs) or (output, input) of ALIASES, the output then written into a copy of that
+    input. Returns (dx, dscale, doffset, side_input_backprop or None)."""
     activation, with_y, with_offset, with_side = MODES[mode]
     dy, x = inp.dy.copy(), inp.x.copy()
     c = inp.scale.shape[0]
@@ -44,29 +44,18 @@ def _raw_grad(inp, fmt, training, mode, alias):
     dx = np.empty_like(x)
     dside = np.empty_like(x) if with_side else None
     if alias is not None:
-        out, src = alias
+        which, src = alias
         target = {"dy": dy, "x": x}[src]
-        if out == "dx":
+        if which == "dx":
             dx = target
         else:
             dside = target
+    out = (dx, np.empty(c, np.float32), np.empty(c, np.float32), dside)
     mode_name = core._activation_mode(activation)
-    fused = mode_name != "Identity" or with_side
-    vecs = [inp.scale, inp.rs1, inp.rs2]
-    shapes = [list(a.shape) for a in (dy, x, *vecs)]
-    dscale = np.empty(c, np.float32)
-    doffset = np.empty(c, np.float32)
-    ptrs = [a.ctypes.data for a in (dy, x, *vecs, dx, dscale, doffset)]
-    present = []
-    if fused:
-        extra = [y, offset, side]
-        shapes += [[0] if a is None else list(a.shape) for a in extra]
-        ptrs += [0 if a is None else a.ctypes.data for a in extra]
-        ptrs.append(0 if dside is None else dside.ctypes.data)
-        present = [a is not None for a in extra] + [dside is not None]
-    _core.bn_grad_cpu_raw(core._dtype_name(x.dtype), ptrs, shapes, fmt, 1e-3, training,
-                          "variance", 2, "auto", mode_name, present)
-    return dx, dscale, doffset, dside
+    extra = [y, offset, side] if mode_name != "Identity" or with_side else None
+    core._bn_grad_cpu(dy, x, [inp.scale, inp.rs1, inp.rs2], extra, out, fmt, 1e-3, training,
+                      "variance", 2, "auto", mode_name)
+    return out
 
 
 def _cases():

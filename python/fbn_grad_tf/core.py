@@ -187,38 +187,44 @@ def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4
     xx = np.require(x, requirements="C")
     vecs = [np.require(v, dtype=np.float32, requirements="C")
             for v in (scale, reserve_space_1, reserve_space_2)]
-    dtype = _dtype_name(xx.dtype)
+    _dtype_name(xx.dtype)  # raises TypeError for a dtype the kernels lack
     if dy.dtype != xx.dtype:
         raise TypeError("y_backprop and x must have the same dtype, got %s and %s"
                         % (dy.dtype, xx.dtype))
-    shapes = [list(a.shape) for a in (dy, xx, *vecs)]
-    present = []
-    extra = []
+    extra = None
     if fused:
-        ex = [None if y is None else _like_x(y, xx, "y"),
-              None if offset is None else np.require(offset, dtype=np.float32,
-                                                     requirements="C"),
-              None if side_input is None else _like_x(side_input, xx, "side_input")]
-        present = [a is not None for a in ex] + [bool(side_input_backprop)]
-        shapes += [[0] if a is None else list(a.shape) for a in ex]
-        extra = ex
-    _core.validate(shapes[:5], data_format, float(epsilon))
-    dx = np.empty_like(xx)
+        extra = [None if y is None else _like_x(y, xx, "y"),
+                 None if offset is None else np.require(offset, dtype=np.float32,
+                                                        requirements="C"),
+                 None if side_input is None else _like_x(side_input, xx, "side_input")]
+    _core.validate([list(a.shape) for a in (dy, xx, *vecs)], data_format, float(epsilon))
     channels = vecs[0].shape[0]
-    dscale = np.empty(channels, np.float32)
-    doffset = np.empty(channels, np.float32)
-    dside = np.empty_like(xx) if side_input_backprop else None
+    out = (np.empty_like(xx), np.empty(channels, np.float32), np.empty(channels, np.float32),
+           np.empty_like(xx) if side_input_backprop else None)
     if num_threads <= 0:
         num_threads = os.cpu_count() or 1
+    _bn_grad_cpu(dy, xx, vecs, extra, out, data_format, epsilon, is_training, saved_stat,
+                 num_threads, isa, mode)
+    return out if side_input_backprop else out[:3]
+
+
+def _bn_grad_cpu(dy, xx, vecs, extra, out, data_format, epsilon, is_training, saved_stat,
+                 num_threads, isa, mode):
+    """The raw CPU call of bn_grad, on checked C-contiguous arrays: vecs = [scale, rs1, rs2];
+    extra = None (the plain backward) or [y, offset, side_input] (None where absent); out =
+    (dx, dscale, doffset, side_input_backprop or None). dx may be dy or xx itself and
+    side_input_backprop dy itself (in place, as the TF op does: csrc/core/backward.h)."""
+    dx, dscale, doffset, dside = out
+    shapes = [list(a.shape) for a in (dy, xx, *vecs)]
     ptrs = [a.ctypes.data for a in (dy, xx, *vecs, dx, dscale, doffset)]
-    if fused:
+    present = []
+    if extra is not None:
+        shapes += [[0] if a is None else list(a.shape) for a in extra]
         ptrs += [0 if a is None else a.ctypes.data for a in extra]
         ptrs.append(0 if dside is None else dside.ctypes.data)
-    _core.bn_grad_cpu_raw(dtype, ptrs, shapes, data_format, float(epsilon), bool(is_training),
-                          saved_stat, int(num_threads), isa, mode, present)
-    if side_input_backprop:
-        return dx, dscale, doffset, dside
-    return dx, dscale, doffset
+        present = [a is not None for a in extra] + [dside is not None]
+    _core.bn_grad_cpu_raw(_dtype_name(xx.dtype), ptrs, shapes, data_format, float(epsilon),
+                          bool(is_training), saved_stat, int(num_threads), isa, mode, present)
 
 
 def _bn_grad_device(dy, x, scale, rs1, rs2, epsilon, data_format, is_training, saved_stat,
