@@ -568,10 +568,8 @@ int BnGradCuda(const BnGradParams& params, const BnGradArgs<T>& args, void* work
   kp.offset = needs_z ? args.offset : nullptr;
   kp.side_bp = args.side_input_backprop;
 
-  // Vector width: the largest power of two (up to 16 bytes) dividing the contiguous run
-  // of a thread's elements (C for channels-last, inner for channels-first). It depends on
-  // the shape only; misaligned pointers keep it and just use scalar accesses.
-  const int vec = VecWidth<T>(plan.channels_last ? C : shape.inner);
+  // Vector width (common.cuh: VecWidth): a function of the shape and T.
+  const int vec = VecWidth<T>(plan.channels_last ? C : shape.inner, plan.channels_last);
   const size_t vbytes = sizeof(T) * static_cast<size_t>(vec);
   kp.aligned = (Aligned(args.dy, vbytes) && Aligned(args.x, vbytes) && Aligned(args.dx, vbytes) &&
                 (kp.act_y == nullptr || Aligned(kp.act_y, vbytes)) &&

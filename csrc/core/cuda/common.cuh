@@ -174,12 +174,17 @@ constexpr int MaxVec() {
   return sizeof(T) == 4 ? 4 : 8;
 }
 
-// Vector width: the largest power of two (up to 16 bytes) dividing `run`, the contiguous
-// run of a thread's elements (C for channels-last, inner for channels-first). It depends
-// on the shape only; misaligned pointers keep it and just use scalar accesses.
+// Vector width: the largest power of two (up to MaxVec) dividing `run`, the contiguous run
+// of a thread's elements (C for channels-last, inner for channels-first). It depends on the
+// shape and T only; misaligned pointers keep it and just use scalar accesses.
+// Channels-last caps 16-bit types at 4 elements (8-byte accesses): there a thread keeps
+// per-channel state (sums, mean, coefficients) for each of its VEC channels, and at 8 it
+// needed 80 registers (37.5% occupancy, fewer bytes in flight); at 4, 16-bit passes ran
+// 0.71-0.89x the time of the 8-wide ones on every shape measured (H200, docs/GPU.md).
+// Channels-first threads keep one channel's state, and 16-byte accesses stay faster there.
 template <typename T>
-int VecWidth(int64_t run) {
-  int vec = MaxVec<T>();
+int VecWidth(int64_t run, bool channels_last) {
+  int vec = channels_last ? std::min(MaxVec<T>(), 4) : MaxVec<T>();
   while (vec > 1 && run % vec != 0) vec /= 2;
   return vec;
 }

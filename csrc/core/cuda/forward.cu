@@ -698,7 +698,7 @@ int BnForwardCuda(const BnForwardParams& params, const BnForwardArgs<T>& args, v
   kp.G = plan.G;
   kp.chunk = plan.chunk;
 
-  const int vec = VecWidth<T>(plan.channels_last ? C : shape.inner);
+  const int vec = VecWidth<T>(plan.channels_last ? C : shape.inner, plan.channels_last);
   const size_t vbytes = sizeof(T) * static_cast<size_t>(vec);
   kp.aligned = (Aligned(args.x, vbytes) && Aligned(args.y, vbytes) &&
                 (args.side_input == nullptr || Aligned(args.side_input, vbytes)))
