@@ -29,6 +29,10 @@ Parts:
       dtype's tolerance; dx/scale/offset backprop vs the float64 backward of the kernel's
       own dz; the CUDA fused backward bitwise equal to the plain CUDA backward of its
       side_input_backprop; determinism with misaligned tensors. 4.7 s on an H200 machine.
+  (f) in place (run after (d)): the CUDA backward with its outputs in its inputs' buffers,
+      as the TF op forwards them, bitwise equal to the same call with fresh outputs; and the
+      fused backward without side_input_backprop (its second pass applies the activation to
+      dy) bitwise equal to the one with it (its second pass reads the stored dz).
 Exit status: 0 when every numeric/determinism check passed, 1 otherwise (2: setup error).
 
 `reference_bn_grad` (float64, NumPy only) is importable from here for other tests.
@@ -1114,6 +1118,87 @@ def run_fused_mode_checks(bn_forward, bn_grad, torch, epsilon, rng, use_cuda=Tru
 
 
 # ---------------------------------------------------------------------------------------
+# (f) in place.
+IN_PLACE_SHAPES = FUSED_SHAPES + ((4, 14, 14, 256),)
+
+
+def run_in_place_checks(bn_forward, torch, epsilon, rng):
+    """(f): the CUDA backward in place, as the TF op forwards buffers
+    (csrc/tf/fbn_grad_op.cc): without a side input, x_backprop in y_backprop's or in x's
+    buffer; with one, side_input_backprop in y_backprop's and x_backprop in x's (or fresh).
+    Every aliased call must give the bits of the same call with fresh outputs. Without a
+    side input, the call returning no dz must also give the bits of the call storing dz (the
+    two second passes differ: activation applied to dy, or dz read back). Every activation
+    mode x side input x dtype x NHWC/NCHW x training/inference. Returns (checks, failures)."""
+    from fbn_grad_tf import core
+    t0 = time.time()
+    n, failures = 0, []
+    for act, side, dtype, fmt, shape, training in itertools.product(
+            FUSED_ACTIVATIONS, (False, True), DTYPES, FWD_FORMATS, IN_PLACE_SHAPES,
+            (True, False)):
+        if dtype == "bfloat16" and ml_dtypes is None:
+            continue
+        case = _FusedCase(bn_forward, None, torch, epsilon, rng, act, side, dtype, fmt, shape,
+                          training)
+        fwd = case.forward("cuda")
+        y, sm, sv = (host_array(torch, fwd[0], dtype), host_array(torch, fwd[3], "float32"),
+                     host_array(torch, fwd[4], "float32"))
+        mode = core._activation_mode(act)
+        fused = act is not None or side
+        tag = "%s side=%s %s %s %s shape=%s" % (act or "identity", side, dtype, fmt,
+                                                 "train" if training else "infer", shape)
+
+        def call(alias=None, want_dz=False):
+            """alias: None (fresh outputs) or (dx's buffer, dz's buffer), each "dy", "x",
+            "fresh" (dz: or None)."""
+            dy, x = case._dev(case.dy), case._dev(case.inp["x"])
+            out = None
+            if alias is not None:
+                c = x.shape[channel_axis(fmt, x.ndim)]
+                bufs = {"dy": dy, "x": x}
+                dx = bufs[alias[0]] if alias[0] in bufs else torch.empty_like(x)
+                dz = (None if alias[1] is None else
+                      bufs[alias[1]] if alias[1] in bufs else torch.empty_like(x))
+                out = (dx, torch.empty(c, dtype=torch.float32, device="cuda"),
+                       torch.empty(c, dtype=torch.float32, device="cuda"), dz)
+            res = core._bn_grad_device(
+                dy, x, case._dev(case.inp["scale"]), case._dev(sm), case._dev(sv), case.eps,
+                fmt, training, case.stat, mode, fused, case._dev(y),
+                case._dev(case.inp["offset"]), case._dev(case.side_np), want_dz, out)
+            torch.cuda.synchronize()
+            return [result_bits(t) for t in res]
+
+        def same(what, got, want):
+            names = ("dx", "scale_backprop", "offset_backprop", "side_input_backprop")
+            bad = [nm for nm, a, b in zip(names, got, want) if not np.array_equal(a, b)]
+            if bad:
+                failures.append("(f) %s: %s: %s differ" % (tag, what, ",".join(bad)))
+
+        try:
+            if side:
+                ref = call(None, True)
+                for alias in (("x", "dy"), ("fresh", "dy")):
+                    n += 1
+                    same("dx in %s, dz in %s" % alias, call(alias, True), ref)
+            else:
+                ref = call(None, False)
+                for buf in ("dy", "x"):
+                    n += 1
+                    same("dx in %s" % buf, call((buf, None), False), ref)
+                if act in ("relu", "relu6"):
+                    n += 1
+                    same("without dz vs with dz", ref, call(None, True)[:3])
+        except Exception as e:  # noqa: BLE001 - report every kind of failure
+            n += 1
+            failures.append("(f) %s: %r" % (tag, e))
+    print("(f) in place: %d checks in %.1fs: %s" % (
+        n, time.time() - t0, "all ok" if not failures else "%d FAILED" % len(failures)))
+    for msg in failures[:40]:
+        print("  FAIL " + msg)
+    return n, failures
+
+
+# ---------------------------------------------------------------------------------------
 # (c) benchmark.
 def copy_bandwidth(torch, iters=10):
     """Device-to-device copy of a 1 GiB tensor; bytes counted read + write."""
@@ -1326,6 +1411,7 @@ def main(argv=None):
     ap.add_argument("--skip-numerics", action="store_true")
     ap.add_argument("--skip-determinism", action="store_true")
     ap.add_argument("--skip-forward", action="store_true")
+    ap.add_argument("--skip-in-place", action="store_true")
     ap.add_argument("--bench-iters", type=int, default=15)
     ap.add_argument("--bench-reps", type=int, default=10)
     ap.add_argument("--bench-dtypes", default=",".join(DTYPES))
@@ -1406,6 +1492,19 @@ def main(argv=None):
             failures += nbad
             summary.append("forward %s (%d checks)" % ("ok" if not nbad else "%d BAD" % nbad,
                                                       n))
+    if not args.cpu_only and not args.skip_in_place:
+        print("(f) in place: running ...", flush=True)
+        bn_forward = load_bn_forward()
+        if bn_forward is None:
+            print("(f) in place: FAIL: fbn_grad_tf.core has no bn_forward")
+            failures += 1
+            summary.append("in place MISSING")
+        else:
+            n, bad = run_in_place_checks(bn_forward, torch, args.epsilon,
+                                         np.random.default_rng(args.seed + 23))
+            failures += len(bad)
+            summary.append("in place %s (%d checks)" % ("ok" if not bad else "%d BAD" % len(bad),
+                                                         n))
     if not args.cpu_only and not args.skip_bench:
         print("(c) benchmark: running ...", flush=True)
         rows, nbad, geo = run_benchmark(

@@ -148,15 +148,14 @@ class FbnGradOpBase : public OpKernel {
   };
 
   // Validates the inputs and allocates every output. Returns false if ctx holds an error.
-  // in_place (the CPU kernels, backward.h): the full-size outputs reuse the buffers of
-  // inputs that nothing else holds (TF's buffer forwarding, as its element-wise ops do):
-  // x_backprop y_backprop's or x's, side_input_backprop y_backprop's. Pass 2 then writes
-  // into cache lines it has just read instead of fetching fresh ones, and the step needs
-  // one (two) full-size buffer(s) less. Measured inside ResNet50 and MobileNetV2 float32
+  // The full-size outputs reuse the buffers of inputs that nothing else holds (TF's buffer
+  // forwarding, as its element-wise ops do; both kernels allow it, backward.h): x_backprop
+  // y_backprop's or x's, side_input_backprop y_backprop's. The step then needs one (two)
+  // full-size buffer(s) less, and on the CPU pass 2 writes into cache lines it has just read
+  // instead of fetching fresh ones. Measured inside ResNet50 and MobileNetV2 float32
   // training steps (2-core Xeon, profiler, 30 steps, alternated): our BN ops' time 0.93-0.97x
   // of the same ops writing fresh buffers (docs/BENCHMARK.md, "In place").
-  bool Prepare(OpKernelContext* ctx, fbn::SavedStat training_stat, bool in_place,
-               Prepared* p) {
+  bool Prepare(OpKernelContext* ctx, fbn::SavedStat training_stat, Prepared* p) {
     const Tensor& dy = ctx->input(0);
     const Tensor& x = ctx->input(1);
     const Tensor& scale = ctx->input(2);
@@ -189,13 +188,10 @@ class FbnGradOpBase : public OpKernel {
     const int64_t C = v.shape.channels;
     Tensor* unused = nullptr;
     const bool side = num_side_inputs_ == 1;
-    // Inputs whose buffers the full-size outputs may take (none: fresh buffers). With a side
-    // input, y_backprop's goes to side_input_backprop (allocated first) and x's to x_backprop.
-    std::vector<int> dx_reuse, side_reuse;
-    if (in_place) {
-      side_reuse = {0};
-      dx_reuse = side ? std::vector<int>{1} : std::vector<int>{0, 1};
-    }
+    // Inputs whose buffers the full-size outputs may take. With a side input, y_backprop's
+    // goes to side_input_backprop (allocated first) and x's to x_backprop.
+    const std::vector<int> side_reuse = {0};
+    const std::vector<int> dx_reuse = side ? std::vector<int>{1} : std::vector<int>{0, 1};
     if ((side && !Allocate(ctx, 5, x.shape(), side_reuse, &p->side_input_backprop)) ||
         !Allocate(ctx, 0, x.shape(), dx_reuse, &p->dx) ||
         !Allocate(ctx, 1, TensorShape({C}), {}, &p->dscale) ||
@@ -263,7 +259,7 @@ class FbnGradCpuOp : public FbnGradOpBase {
   using FbnGradOpBase::FbnGradOpBase;
   void Compute(OpKernelContext* ctx) override {
     Prepared p;
-    if (!Prepare(ctx, fbn::SavedStat::kVariance, /*in_place=*/true, &p)) return;
+    if (!Prepare(ctx, fbn::SavedStat::kVariance, &p)) return;
     const auto runner = IntraOpThreads(ctx);
     fbn::BnGradCpu(p.params, Args<T>(ctx, &p), runner, fbn::DefaultCpuIsa());
   }
@@ -460,7 +456,7 @@ class FbnGradGpuOp : public FbnGradOpBase {
   using FbnGradOpBase::FbnGradOpBase;
   void Compute(OpKernelContext* ctx) override {
     Prepared p;
-    if (!Prepare(ctx, fbn::SavedStat::kInvStd, /*in_place=*/false, &p)) return;
+    if (!Prepare(ctx, fbn::SavedStat::kInvStd, &p)) return;
     const auto args = Args<T>(ctx, &p);
     const size_t ws_bytes = fbn::BnGradCudaWorkspaceBytes(p.params);
     LaunchOnOpStream(ctx, ws_bytes, "backward", [&](void* ws, void* stream) {

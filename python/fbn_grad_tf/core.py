@@ -229,7 +229,11 @@ def _bn_grad_cpu(dy, xx, vecs, extra, out, data_format, epsilon, is_training, sa
 
 def _bn_grad_device(dy, x, scale, rs1, rs2, epsilon, data_format, is_training, saved_stat,
                     mode="Identity", fused=False, y=None, offset=None, side_input=None,
-                    side_input_backprop=False):
+                    side_input_backprop=False, out=None):
+    """bn_grad on device arrays. out: None (fresh outputs) or (dx, dscale, doffset,
+    side_input_backprop or None), contiguous device arrays of the right shapes and types,
+    where dx may be dy or x itself and side_input_backprop dy itself (in place, as the TF op
+    does: csrc/core/backward.h); dy and x must then be contiguous already."""
     if not with_cuda:
         raise RuntimeError("fbn_grad_tf._core was built without CUDA; rebuild with nvcc "
                            "available (FBN_GRAD_TF_CUDA=1)")
@@ -242,14 +246,17 @@ def _bn_grad_device(dy, x, scale, rs1, rs2, epsilon, data_format, is_training, s
     shapes = [list(lib.shape(a)) for a in (dy, x, *vecs)]
     _core.validate(shapes, data_format, float(epsilon))
     channels = shapes[2][0]
-    dx = lib.empty_like(x)
-    dscale = lib.empty_f32(x, channels)
-    doffset = lib.empty_f32(x, channels)
+    if out is None:
+        dx, dscale, doffset = (lib.empty_like(x), lib.empty_f32(x, channels),
+                               lib.empty_f32(x, channels))
+        dside = lib.empty_like(x) if side_input_backprop else None
+    else:
+        dx, dscale, doffset, dside = out
+        side_input_backprop = dside is not None
     ws_bytes = _core.cuda_workspace_bytes(shapes, data_format, float(epsilon))
     ws = lib.empty_bytes(x, max(ws_bytes, 1))
     ptrs = [lib.ptr(a) for a in (dy, x, *vecs, dx, dscale, doffset)]
     present = []
-    dside = lib.empty_like(x) if side_input_backprop else None
     if fused:
         ex = [None if y is None else lib.contiguous(y),
               None if offset is None else lib.contiguous(lib.as_float32(offset)),

@@ -21,6 +21,11 @@
 // kReduceScale) also writes side_input_backprop = dz. The mode and whether Swish reads a side
 // input are template parameters of the passes; Finalize does not depend on them.
 //
+// In place (../backward.h: dx may be dy or x, side_input_backprop may be dy): every element
+// is read by one thread, and written only by that thread after it has read it; no element
+// is read again in the same kernel, so a stale read-only-cache line is never used.
+// Training with side_input_backprop: the second pass reads it (dz) instead of dy.
+//
 // Reductions: each thread sums its elements in a fixed order, the block combines the
 // thread sums with a fixed tree and writes one partial sum per (chunk, channel) into the
 // workspace; Finalize combines the partials of a channel with a fixed warp tree. Chunks
@@ -172,8 +177,9 @@ __global__ void __launch_bounds__(kThreads) PassChannelsLast(const KParams p) {
   __shared__ float sm1[kSums ? kThreads * VEC : 1];
   __shared__ float sm2[kSums ? kThreads * VEC : 1];
 
-  Raw* __restrict__ dx = static_cast<Raw*>(p.dx);
-  Raw* __restrict__ side_bp = kSums ? static_cast<Raw*>(p.side_bp) : nullptr;
+  // Not __restrict__: dx may be dy or x, side_bp may be dy (in place, ../backward.h).
+  Raw* dx = static_cast<Raw*>(p.dx);
+  Raw* side_bp = kSums ? static_cast<Raw*>(p.side_bp) : nullptr;
   const bool aligned = p.aligned != 0;
   const int bx = p.bx;
   const int by = kThreads / bx;
@@ -291,8 +297,9 @@ __global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
   __shared__ float red1[kWarps];
   __shared__ float red2[kWarps];
 
-  Raw* __restrict__ dx = static_cast<Raw*>(p.dx);
-  Raw* __restrict__ side_bp = kSums ? static_cast<Raw*>(p.side_bp) : nullptr;
+  // Not __restrict__: dx may be dy or x, side_bp may be dy (in place, ../backward.h).
+  Raw* dx = static_cast<Raw*>(p.dx);
+  Raw* side_bp = kSums ? static_cast<Raw*>(p.side_bp) : nullptr;
   const bool aligned = p.aligned != 0;
   const int64_t C = p.C;
   const int64_t inner_v = p.inner / VEC;        // vector units per (outer, channel) run
@@ -453,7 +460,17 @@ void RunPasses(const KParams& kp, bool channels_last, bool training, cudaStream_
   if (training) {
     LaunchPass<T, VEC, kReduce, kAct, kSide>(kp, channels_last, stream);
     Finalize<<<fin_grid, kThreads, 0, stream>>>(kp);
-    LaunchPass<T, VEC, kApply, kAct, kSide>(kp, channels_last, stream);
+    if (kAct != Activation::kIdentity && kp.side_bp != nullptr) {
+      // The first pass stored dz (rounded to T) as side_input_backprop: the second pass
+      // reads it as a plain y_backprop, which gives dx bitwise (dz is what it would
+      // recompute) from fewer streams (no y, no z), and is required when
+      // side_input_backprop is y_backprop's own buffer (in place: dy is then gone).
+      KParams plain = kp;
+      plain.dy = kp.side_bp;
+      LaunchPass<T, VEC, kApply, Activation::kIdentity, false>(plain, channels_last, stream);
+    } else {
+      LaunchPass<T, VEC, kApply, kAct, kSide>(kp, channels_last, stream);
+    }
   } else {
     LaunchPass<T, VEC, kReduceScale, kAct, kSide>(kp, channels_last, stream);
     Finalize<<<fin_grid, kThreads, 0, stream>>>(kp);
