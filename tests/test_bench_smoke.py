@@ -69,6 +69,42 @@ def test_run_tiny_grid():
     assert "float32 NHWC" in text and "bandwidth = 20.0 GB/s" in text
 
 
+def test_chain_columns(capsys):
+    """--chain K: each op K times in a row in one tf.function, timed per op, beside the
+    single calls; TF's chain only where TF ran the single call."""
+    cfg = bench.Config(dtypes=("float32", "float16"), chain=3, **TINY)
+    res = bench.run(cfg)
+    for r in res["results"]:
+        _check_entry(r)
+        assert r["chain"] == 3
+        assert len(r["ours_chain"]["samples_ms"]) == 2 and r["ours_chain"]["median_ms"] > 0
+        assert ("tf_chain" in r) == ("median_ms" in r["tf"])
+    bw = {"bandwidth": 20.0, "copy": 20.0, "triad": 18.0, "numpy_copy": 20.0,
+          "numpy_triad": 18.0, "tf_scale": 15.0, "tf_triad": 14.0, "array_mib": 256,
+          "threads": 2, "tf_triad_fused": True}
+    rows = bench.merge(res, None, bw)
+    for row in rows:
+        assert row["chain"] == 3 and row["ours_chain_ms"] > 0
+        assert row["chain_bw_fraction"] == pytest.approx(row["chain_gbps"] / 20.0)
+        assert (row["tf_chain_ms"] is None) == (row["speedup_chain"] is None)
+    table = bench.format_table(rows)
+    assert "chain ms" in table and "%BW(c)" in table
+    # Tiny shapes are below the mid-size threshold: no chain bandwidth summary, no error.
+    summary = bench.summarize(rows)
+    assert summary["chain_bandwidth_fraction"] == []
+    fake = [dict(r, elements=bench.MID_ELEMENTS, chain_bw_fraction=0.5) for r in rows]
+    text = bench.format_summary(bench.summarize(fake), bw)
+    assert "inside a graph" in text and "50%" in text
+    # Without --chain the columns are absent.
+    plain = bench.merge(bench.run(bench.Config(dtypes=("float32",), **TINY)), None, bw)
+    assert "chain ms" not in bench.format_table(plain)
+    for argv in (["--chain", "0"], ["--chain", "2", "--layer"],
+                 ["--chain", "2", "--model", "resnet50"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+    capsys.readouterr()
+
+
 def test_check_fails_loudly(monkeypatch):
     real = bench.contestants._ours_op
 

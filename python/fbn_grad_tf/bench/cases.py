@@ -23,6 +23,8 @@ MODES = ("training", "inference")
 #: A shape is "large" (well beyond the 32 MiB L3 cache) from this many elements on: the
 #: bandwidth summary uses these.
 LARGE_ELEMENTS = 8_000_000
+# Mid-size and up (issue 19's 32x14x14x1024 has 6.4M): the --chain bandwidth summary.
+MID_ELEMENTS = 2_000_000
 
 #: Output tolerances for the correctness check: max |ours - ref| / max |ref|, per output.
 #: dx is in the input dtype (a few ulps of it); scale/offset backprops are float32 sums.
@@ -55,6 +57,7 @@ class Config:
     eigen_bfc: bool = False         # Eigen worker: TF_CPU_ALLOCATOR_USE_BFC=true (see docs)
     progress: bool = True
     seed: int = 1234
+    chain: int = 0                  # >0: also each op K times in a row in one tf.function
 
     def to_json(self):
         return dataclasses.asdict(self)

@@ -123,6 +123,11 @@ def build_parser():
                    help="skip the second TF backend (the worker subprocess)")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if importable")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--chain", type=int, metavar="K",
+                   help="also time each op K times in a row inside one tf.function (each "
+                        "call's x_backprop the next one's y_backprop, as in a model's "
+                        "backward): the op without the per-call tf.function dispatch; "
+                        "columns 'chain ms', 'x(c)', '%%BW(c)' (default: off)")
     p.add_argument("--layer", action="store_true",
                    help="time one whole BN layer training step (forward + backward) instead: "
                         "ours, ours+ReLU, TF's forward with our backward, TF BN+ReLU, TF fused, "
@@ -184,7 +189,7 @@ def config_from_args(args):
                        ("modes", None if getattr(args, "layer", False) else args.modes),
                        ("reps", args.reps), ("budget_s", args.budget),
                        ("min_reps", args.min_reps), ("max_reps", args.max_reps),
-                       ("threads", args.threads)):
+                       ("threads", args.threads), ("chain", args.chain)):
         if val is not None:
             setattr(cfg, field, val)
     if args.no_torch:
@@ -199,6 +204,12 @@ def config_from_args(args):
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.chain is not None:
+        if args.chain < 1:
+            parser.error("--chain must be at least 1, got %d" % args.chain)
+        if args.layer or args.model:
+            parser.error("--chain times the backward grid; it does not combine with --layer "
+                         "or --model")
     if args.model:
         if args.layer or args.quick:
             parser.error("--model does not combine with --layer or --quick")
@@ -261,6 +272,11 @@ def main(argv=None):
         if not config.eigen_bfc:
             print("  (with oneDNN off TF allocates from malloc, so large outputs are fresh pages "
                   "on every call, for ours(E) and TF-Eigen alike; --eigen-bfc pools them)")
+    if config.chain:
+        print("chain ms = ours per op, each op run %d times in a row inside one tf.function "
+              "(x_backprop fed in as the next y_backprop; no per-call dispatch; ours in place "
+              "after the first); x(c) = TF-%s's chain ms / ours; %%BW(c) from chain ms"
+              % (config.chain, main_backend if main_backend == "eigen" else "oneDNN"))
     if have_torch:
         print(torch_header_note(main_res["meta"], threads))
     print()

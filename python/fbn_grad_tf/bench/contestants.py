@@ -50,6 +50,26 @@ def _tf_callable(which, args, epsilon, fmt, training):
     return lambda: f(*args)
 
 
+def _tf_chain_callable(which, args, epsilon, fmt, training, k):
+    """A zero-argument callable running `which` ('ours' or 'tf') k times in a row inside one
+    tf.function, each call's x_backprop the next one's y_backprop (as BN layers follow each
+    other in a model's backward): the op's time in a graph, without the ~0.2 ms of
+    tf.function dispatch that a single call per tf.function pays. The intermediates belong to
+    the graph alone, so an op that can forward its inputs' buffers (ours) works in place
+    there, as inside a model."""
+    op = _ours_op if which == "ours" else _tf_op
+
+    @tf.function(autograph=False)
+    def f(dy, x, scale, rs1, rs2, rs3):
+        d = dy
+        for _ in range(k):
+            d = op(d, x, scale, rs1, rs2, rs3, epsilon=epsilon, data_format=fmt,
+                   is_training=training)[0]
+        return d
+
+    return lambda: f(*args)
+
+
 #: Why the PyTorch column is n/a when torch cannot be imported (the table and JSON say so).
 TORCH_MISSING = "torch not installed"
 TORCH_INSTALL_HINT = "pip install torch==2.13.0, or the package's 'bench' extra"

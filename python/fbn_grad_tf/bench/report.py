@@ -4,7 +4,7 @@ import statistics
 
 import numpy as np
 
-from .cases import DTYPES, FORMATS, LARGE_ELEMENTS, MODES, _SHORT_MODE, shape_str
+from .cases import DTYPES, FORMATS, LARGE_ELEMENTS, MID_ELEMENTS, MODES, _SHORT_MODE, shape_str
 from .contestants import (
     LAYER_HEADERS, LAYER_KEYS, TORCH_INSTALL_HINT, TORCH_MISSING, _layer_partner)
 
@@ -65,6 +65,15 @@ def merge(main_res, other_res=None, bandwidth=None):
         row["torch_gbps"] = r["min_bytes"] / (tms * 1e-3) / 1e9 if tms else None
         row["torch_bw_fraction"] = (row["torch_gbps"] / bw if row["torch_gbps"] and bw
                                     else None)
+        # --chain: each op k times in a row in one tf.function (per-op ms, main process).
+        row["chain"] = r.get("chain")
+        row["ours_chain_ms"] = _ms(r.get("ours_chain"))
+        row["tf_chain_ms"] = _ms(r.get("tf_chain"))
+        row["speedup_chain"] = _ratio(row["tf_chain_ms"], row["ours_chain_ms"])
+        cms = row["ours_chain_ms"]
+        row["chain_gbps"] = r["min_bytes"] / (cms * 1e-3) / 1e9 if cms else None
+        row["chain_bw_fraction"] = (row["chain_gbps"] / bw if row["chain_gbps"] and bw
+                                    else None)
         row["check"] = {"main": r["check"], "other": o["check"] if o else None}
         row["raw"] = {"main": r, "other": o}
         rows.append(row)
@@ -90,6 +99,9 @@ def format_table(rows, have_torch=False):
             ("ours ms", ">", 8), ("TF-oneDNN", ">", 9), ("x", ">", 6),
             ("ours(E)", ">", 8), ("TF-Eigen", ">", 9), ("x", ">", 6)]
     cols += [("GB/s", ">", 6), ("%BW", ">", 5), ("core ms", ">", 8)]
+    have_chain = any(r.get("ours_chain_ms") is not None for r in rows)
+    if have_chain:
+        cols += [("chain ms", ">", 8), ("x(c)", ">", 6), ("%BW(c)", ">", 6)]
     if have_torch:
         cols += [("torch ms", ">", 9), ("x", ">", 6), ("xc", ">", 6), ("t%BW", ">", 5)]
     cols += [("reps", ">", 4)]
@@ -109,6 +121,10 @@ def format_table(rows, have_torch=False):
                 _f(r["speedup_eigen"], "%.2fx")]
         vals += [_f(r["gbps"], "%.1f"), _f(r["bw_fraction"] and 100 * r["bw_fraction"], "%.0f%%"),
                  _f(r.get("core_ms"), "%.3f")]
+        if have_chain:
+            vals += [_f(r.get("ours_chain_ms"), "%.3f"), _f(r.get("speedup_chain"), "%.2fx"),
+                     _f(r.get("chain_bw_fraction") and 100 * r["chain_bw_fraction"],
+                        "%.0f%%")]
         if have_torch:
             vals += [_f(r["torch_ms"], "%.3f"), _f(r["speedup_torch"], "%.2fx"),
                      _f(r.get("speedup_torch_core"), "%.2fx"),
@@ -160,8 +176,22 @@ def summarize(rows, have_torch=False):
                                if r["mode"] == mode and r["format"] == fmt)
                 g["%s_%s" % (mode, fmt)] = m
         bw_rows.append(g)
+    chain_rows = []
+    mid = [r for r in rows if r["elements"] >= MID_ELEMENTS and r.get("chain_bw_fraction")]
+    for dtype in DTYPES:
+        sel = [r for r in mid if r["dtype"] == dtype]
+        if not sel:
+            continue
+        g = {"dtype": dtype}
+        for mode in MODES:
+            for fmt in FORMATS:
+                m, _ = _median(r["chain_bw_fraction"] for r in sel
+                               if r["mode"] == mode and r["format"] == fmt)
+                g["%s_%s" % (mode, fmt)] = m
+        chain_rows.append(g)
     return {"speedups": speedups, "bandwidth_fraction_large": bw_rows,
-            "large_elements": LARGE_ELEMENTS}
+            "large_elements": LARGE_ELEMENTS, "chain_bandwidth_fraction": chain_rows,
+            "mid_elements": MID_ELEMENTS}
 
 
 def format_summary(summary, bandwidth=None, have_torch=False):
@@ -197,6 +227,16 @@ def format_summary(summary, bandwidth=None, have_torch=False):
         out.append("%-10s  %9s %9s %9s %9s" % ("dtype", "trainNHWC", "trainNCHW",
                                                "inferNHWC", "inferNCHW"))
         for g in summary["bandwidth_fraction_large"]:
+            cells = [_f(g["%s_%s" % (m, f)] and 100 * g["%s_%s" % (m, f)], "%.0f%%")
+                     for m in MODES for f in FORMATS]
+            out.append("%-10s  %9s %9s %9s %9s" % (g["dtype"], *cells))
+    if summary.get("chain_bandwidth_fraction"):
+        out.append("The same for the op inside a graph (--chain: each op run k times in a row in "
+                   "one tf.function, no per-call dispatch), median over shapes >= %dM elements:"
+                   % (summary["mid_elements"] // 1_000_000))
+        out.append("%-10s  %9s %9s %9s %9s" % ("dtype", "trainNHWC", "trainNCHW",
+                                               "inferNHWC", "inferNCHW"))
+        for g in summary["chain_bandwidth_fraction"]:
             cells = [_f(g["%s_%s" % (m, f)] and 100 * g["%s_%s" % (m, f)], "%.0f%%")
                      for m in MODES for f in FORMATS]
             out.append("%-10s  %9s %9s %9s %9s" % (g["dtype"], *cells))

@@ -17,6 +17,7 @@ from .timing import (
     Progress, _stats, backend_name, configure_threads, onednn_enabled, warm_up_and_time)
 from .contestants import (
     LAYER_COLUMNS, LAYER_HEADERS, LAYER_KEYS, _LAYER_OURS, _core_callable, _from_torch_layout,
+    _tf_chain_callable,
     _layer_callables, _setup_torch, _tf_callable, _torch_callable, layer_ratio_base,
     ours_forward_support)
 
@@ -134,16 +135,26 @@ def _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps, torc
             errors["torch"] = "%s: %s" % (type(e).__name__, str(e).split("\n")[0][:200])
     del ref
 
+    # -- the ops in a chain of config.chain calls per tf.function (timed per op), where TF
+    # ran the single call too.
+    k = int(config.chain or 0)
+    if k > 0:
+        for which in ("ours", "tf"):
+            if which in fns:
+                fns[which + "_chain"] = _tf_chain_callable(which, args, eps, fmt, training, k)
+        entry["chain"] = k
+
     # -- warm up (the check call above already traced and ran each function once).
     reps, samples = warm_up_and_time(fns, config)
 
     entry["reps"] = reps
     entry["check"] = check
-    for k in ("ours", "tf", "core", "torch"):
-        if k in samples:
-            entry[k] = _stats(samples[k])
-        elif k in errors:
-            entry[k] = {"error": errors[k]}
+    for name in ("ours", "tf", "core", "torch", "ours_chain", "tf_chain"):
+        if name in samples:
+            per_op = k if name.endswith("_chain") else 1
+            entry[name] = _stats([t / per_op for t in samples[name]])
+        elif name in errors:
+            entry[name] = {"error": errors[name]}
     return entry
 
 
