@@ -98,11 +98,13 @@ def test_chain_columns(capsys):
     # Without --chain the columns are absent.
     plain = bench.merge(bench.run(bench.Config(dtypes=("float32",), **TINY)), None, bw)
     assert "chain ms" not in bench.format_table(plain)
-    for argv in (["--chain", "0"], ["--chain", "2", "--layer"],
-                 ["--chain", "2", "--model", "resnet50"]):
+    for argv in (["--chain", "0"], ["--chain", str(bench.MAX_CHAIN + 1)],
+                 ["--chain", "2", "--layer"], ["--chain", "2", "--model", "resnet50"]):
         with pytest.raises(SystemExit):
             bench.main(argv)
     capsys.readouterr()
+    # The worker subprocess gets the configuration as JSON.
+    assert bench.Config.from_json(json.loads(json.dumps(cfg.to_json()))).chain == 3
 
 
 def test_check_fails_loudly(monkeypatch):

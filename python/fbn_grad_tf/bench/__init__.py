@@ -43,7 +43,7 @@ keeps working for every public name of the former single module):
 """
 from .cases import (  # noqa: F401
     DEFAULT_SHAPES, QUICK_SHAPES, DTYPES, QUICK_DTYPES, FORMATS, MODES, LARGE_ELEMENTS, DX_TOL,
-    MID_ELEMENTS,
+    MID_ELEMENTS, MAX_CHAIN,
     VEC_TOL, CorrectnessError, Config, quick_config, shape_str, parse_shape, tensor_shape,
     short_error, numpy_reference)
 from .timing import (  # noqa: F401

@@ -23,8 +23,11 @@ MODES = ("training", "inference")
 #: A shape is "large" (well beyond the 32 MiB L3 cache) from this many elements on: the
 #: bandwidth summary uses these.
 LARGE_ELEMENTS = 8_000_000
-# Mid-size and up (issue 19's 32x14x14x1024 has 6.4M): the --chain bandwidth summary.
+#: Mid-size and up (issue 19's 32x14x14x1024 has 6.4M): the --chain bandwidth summary.
 MID_ELEMENTS = 2_000_000
+#: Most links of a --chain: each link multiplies x_backprop by about scale * inv (up to ~3
+#: with the bench's inputs), so float16 would reach inf from about 9 links on.
+MAX_CHAIN = 8
 
 #: Output tolerances for the correctness check: max |ours - ref| / max |ref|, per output.
 #: dx is in the input dtype (a few ulps of it); scale/offset backprops are float32 sums.

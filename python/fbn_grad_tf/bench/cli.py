@@ -7,7 +7,7 @@ import time
 
 import tensorflow as tf
 
-from .cases import Config, DTYPES, FORMATS, MODES, parse_shape, quick_config
+from .cases import Config, DTYPES, FORMATS, MAX_CHAIN, MODES, parse_shape, quick_config
 from .timing import (
     _fmt_duration, _loadavg, _machine_meta, backend_name, configure_threads, measure_bandwidth,
     onednn_enabled)
@@ -205,8 +205,9 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.chain is not None:
-        if args.chain < 1:
-            parser.error("--chain must be at least 1, got %d" % args.chain)
+        if not 1 <= args.chain <= MAX_CHAIN:
+            parser.error("--chain must be between 1 and %d (float16 values grow with each "
+                         "link), got %d" % (MAX_CHAIN, args.chain))
         if args.layer or args.model:
             parser.error("--chain times the backward grid; it does not combine with --layer "
                          "or --model")
@@ -274,9 +275,10 @@ def main(argv=None):
                   "on every call, for ours(E) and TF-Eigen alike; --eigen-bfc pools them)")
     if config.chain:
         print("chain ms = ours per op, each op run %d times in a row inside one tf.function "
-              "(x_backprop fed in as the next y_backprop; no per-call dispatch; ours in place "
-              "after the first); x(c) = TF-%s's chain ms / ours; %%BW(c) from chain ms"
-              % (config.chain, main_backend if main_backend == "eigen" else "oneDNN"))
+              "(x_backprop fed in as the next y_backprop; one tf.function dispatch shared by "
+              "the %d; ours in place after the first); x(c) = TF-%s's chain ms / ours; "
+              "%%BW(c) from chain ms" % (config.chain, config.chain,
+                                        "Eigen" if main_backend == "eigen" else "oneDNN"))
     if have_torch:
         print(torch_header_note(main_res["meta"], threads))
     print()

@@ -37,35 +37,26 @@ def _core_callable(args, epsilon, fmt, training, threads):
     return call
 
 
-def _tf_callable(which, args, epsilon, fmt, training):
-    """A zero-argument callable running `which` ('ours' or 'tf') in a fresh tf.function."""
+def _tf_callable(which, args, epsilon, fmt, training, chain=0):
+    """A zero-argument callable running `which` ('ours' or 'tf') in a fresh tf.function:
+    one call returning its three gradients, or with chain=k >= 1, k calls in a row, each
+    call's x_backprop the next one's y_backprop (as BN layers follow each other in a model's
+    backward), returning the last x_backprop. The chain shares one tf.function dispatch
+    (~0.2 ms here) among its k ops, and its intermediates belong to the graph alone, so an
+    op that can forward its inputs' buffers (ours) works in place there, as in a model."""
     op = _ours_op if which == "ours" else _tf_op
 
     @tf.function(autograph=False)
     def f(dy, x, scale, rs1, rs2, rs3):
+        if chain:
+            d = dy
+            for _ in range(chain):
+                d = op(d, x, scale, rs1, rs2, rs3, epsilon=epsilon, data_format=fmt,
+                       is_training=training)[0]
+            return d
         out = op(dy, x, scale, rs1, rs2, rs3, epsilon=epsilon, data_format=fmt,
                  is_training=training)
         return out[0], out[1], out[2]
-
-    return lambda: f(*args)
-
-
-def _tf_chain_callable(which, args, epsilon, fmt, training, k):
-    """A zero-argument callable running `which` ('ours' or 'tf') k times in a row inside one
-    tf.function, each call's x_backprop the next one's y_backprop (as BN layers follow each
-    other in a model's backward): the op's time in a graph, without the ~0.2 ms of
-    tf.function dispatch that a single call per tf.function pays. The intermediates belong to
-    the graph alone, so an op that can forward its inputs' buffers (ours) works in place
-    there, as inside a model."""
-    op = _ours_op if which == "ours" else _tf_op
-
-    @tf.function(autograph=False)
-    def f(dy, x, scale, rs1, rs2, rs3):
-        d = dy
-        for _ in range(k):
-            d = op(d, x, scale, rs1, rs2, rs3, epsilon=epsilon, data_format=fmt,
-                   is_training=training)[0]
-        return d
 
     return lambda: f(*args)
 

@@ -148,6 +148,34 @@ SUMMARY_GROUPS = (("float32 NHWC", ("float32",), "NHWC"),
                   ("all cases", DTYPES, None))
 
 
+def _fraction_table(rows, min_elements, field):
+    """Per dtype, the median of `field` (a fraction of the bandwidth) per mode and format
+    over the rows of at least min_elements that have it."""
+    table = []
+    for dtype in DTYPES:
+        sel = [r for r in rows if r["dtype"] == dtype and r["elements"] >= min_elements
+               and r.get(field)]
+        if not sel:
+            continue
+        g = {"dtype": dtype}
+        for mode in MODES:
+            for fmt in FORMATS:
+                g["%s_%s" % (mode, fmt)], _ = _median(
+                    r[field] for r in sel if r["mode"] == mode and r["format"] == fmt)
+        table.append(g)
+    return table
+
+
+def _format_fraction_table(table):
+    out = ["%-10s  %9s %9s %9s %9s" % ("dtype", "trainNHWC", "trainNCHW", "inferNHWC",
+                                       "inferNCHW")]
+    for g in table:
+        cells = [_f(g["%s_%s" % (m, f)] and 100 * g["%s_%s" % (m, f)], "%.0f%%")
+                 for m in MODES for f in FORMATS]
+        out.append("%-10s  %9s %9s %9s %9s" % (g["dtype"], *cells))
+    return out
+
+
 def summarize(rows, have_torch=False):
     """Median speed-ups per group and mode, and our fraction of bandwidth on large shapes."""
     targets = ["onednn", "eigen"] + (["torch", "torch_core"] if have_torch else [])
@@ -163,32 +191,8 @@ def summarize(rows, have_torch=False):
                 g["%s_%s" % (t, mode)] = m
                 g["%s_%s_n" % (t, mode)] = n
         speedups.append(g)
-    large = [r for r in rows if r["elements"] >= LARGE_ELEMENTS]
-    bw_rows = []
-    for dtype in DTYPES:
-        sel = [r for r in large if r["dtype"] == dtype]
-        if not sel:
-            continue
-        g = {"dtype": dtype}
-        for mode in MODES:
-            for fmt in FORMATS:
-                m, _ = _median(r["bw_fraction"] for r in sel
-                               if r["mode"] == mode and r["format"] == fmt)
-                g["%s_%s" % (mode, fmt)] = m
-        bw_rows.append(g)
-    chain_rows = []
-    mid = [r for r in rows if r["elements"] >= MID_ELEMENTS and r.get("chain_bw_fraction")]
-    for dtype in DTYPES:
-        sel = [r for r in mid if r["dtype"] == dtype]
-        if not sel:
-            continue
-        g = {"dtype": dtype}
-        for mode in MODES:
-            for fmt in FORMATS:
-                m, _ = _median(r["chain_bw_fraction"] for r in sel
-                               if r["mode"] == mode and r["format"] == fmt)
-                g["%s_%s" % (mode, fmt)] = m
-        chain_rows.append(g)
+    bw_rows = _fraction_table(rows, LARGE_ELEMENTS, "bw_fraction")
+    chain_rows = _fraction_table(rows, MID_ELEMENTS, "chain_bw_fraction")
     return {"speedups": speedups, "bandwidth_fraction_large": bw_rows,
             "large_elements": LARGE_ELEMENTS, "chain_bandwidth_fraction": chain_rows,
             "mid_elements": MID_ELEMENTS}
@@ -224,22 +228,12 @@ def format_summary(summary, bandwidth=None, have_torch=False):
         out.append("Our effective bandwidth (3 x elements x itemsize / time) as a fraction of "
                    "it, median over large shapes (>= %dM elements):" %
                    (summary["large_elements"] // 1_000_000))
-        out.append("%-10s  %9s %9s %9s %9s" % ("dtype", "trainNHWC", "trainNCHW",
-                                               "inferNHWC", "inferNCHW"))
-        for g in summary["bandwidth_fraction_large"]:
-            cells = [_f(g["%s_%s" % (m, f)] and 100 * g["%s_%s" % (m, f)], "%.0f%%")
-                     for m in MODES for f in FORMATS]
-            out.append("%-10s  %9s %9s %9s %9s" % (g["dtype"], *cells))
+        out += _format_fraction_table(summary["bandwidth_fraction_large"])
     if summary.get("chain_bandwidth_fraction"):
         out.append("The same for the op inside a graph (--chain: each op run k times in a row in "
-                   "one tf.function, no per-call dispatch), median over shapes >= %dM elements:"
-                   % (summary["mid_elements"] // 1_000_000))
-        out.append("%-10s  %9s %9s %9s %9s" % ("dtype", "trainNHWC", "trainNCHW",
-                                               "inferNHWC", "inferNCHW"))
-        for g in summary["chain_bandwidth_fraction"]:
-            cells = [_f(g["%s_%s" % (m, f)] and 100 * g["%s_%s" % (m, f)], "%.0f%%")
-                     for m in MODES for f in FORMATS]
-            out.append("%-10s  %9s %9s %9s %9s" % (g["dtype"], *cells))
+                   "one tf.function, one dispatch shared by the k), median over shapes >= %dM "
+                   "elements:" % (summary["mid_elements"] // 1_000_000))
+        out += _format_fraction_table(summary["chain_bandwidth_fraction"])
     return "\n".join(out)
 
 

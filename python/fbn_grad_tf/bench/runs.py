@@ -17,7 +17,6 @@ from .timing import (
     Progress, _stats, backend_name, configure_threads, onednn_enabled, warm_up_and_time)
 from .contestants import (
     LAYER_COLUMNS, LAYER_HEADERS, LAYER_KEYS, _LAYER_OURS, _core_callable, _from_torch_layout,
-    _tf_chain_callable,
     _layer_callables, _setup_torch, _tf_callable, _torch_callable, layer_ratio_base,
     ours_forward_support)
 
@@ -136,15 +135,21 @@ def _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps, torc
     del ref
 
     # -- the ops in a chain of config.chain calls per tf.function (timed per op), where TF
-    # ran the single call too.
+    # ran the single call too. Each chain is traced and run once here, as the check did for
+    # the others, so that its tracing is not taken for its time when picking the reps; its
+    # last x_backprop must be finite (at most MAX_CHAIN links: see cases.py).
     k = int(config.chain or 0)
     if k > 0:
         for which in ("ours", "tf"):
             if which in fns:
-                fns[which + "_chain"] = _tf_chain_callable(which, args, eps, fmt, training, k)
+                fn = _tf_callable(which, args, eps, fmt, training, chain=k)
+                if not bool(tf.reduce_all(tf.math.is_finite(tf.cast(fn(), tf.float32)))):
+                    raise CorrectnessError("%s: --chain %d: %s's last x_backprop is not "
+                                           "finite" % (case_name, k, which))
+                fns[which + "_chain"] = fn
         entry["chain"] = k
 
-    # -- warm up (the check call above already traced and ran each function once).
+    # -- warm up (every function was traced and run once above).
     reps, samples = warm_up_and_time(fns, config)
 
     entry["reps"] = reps
@@ -274,7 +279,7 @@ def run_worker_subprocess(backend, config, timeout=None):
     pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [
         p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    wcfg = dataclasses.replace(config, torch=False)
+    wcfg = dataclasses.replace(config, torch=False, chain=0)  # chains: main process only
     fd, path = tempfile.mkstemp(prefix="fbn_bench_%s_" % backend, suffix=".json")
     os.close(fd)
     try:
