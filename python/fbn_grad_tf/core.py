@@ -231,13 +231,16 @@ def _bn_grad_device(dy, x, scale, rs1, rs2, epsilon, data_format, is_training, s
                     mode="Identity", fused=False, y=None, offset=None, side_input=None,
                     side_input_backprop=False, out=None):
     """bn_grad on device arrays. out: None (fresh outputs) or (dx, dscale, doffset,
-    side_input_backprop or None), contiguous device arrays of the right shapes and types,
-    where dx may be dy or x itself and side_input_backprop dy itself (in place, as the TF op
-    does: csrc/core/backward.h); dy and x must then be contiguous already."""
+    side_input_backprop or None): contiguous device arrays of x's shape and type (dscale,
+    doffset: [C] float32), where dx may be dy or x itself and side_input_backprop dy itself
+    (in place, as the TF op does: csrc/core/backward.h), no other overlap; dy and x must then
+    be contiguous already. With out, side_input_backprop is whether out[3] is given."""
     if not with_cuda:
         raise RuntimeError("fbn_grad_tf._core was built without CUDA; rebuild with nvcc "
                            "available (FBN_GRAD_TF_CUDA=1)")
     lib = _array_library(x)
+    if out is not None and not (lib.is_contiguous(dy) and lib.is_contiguous(x)):
+        raise ValueError("out= needs contiguous y_backprop and x (an output may be one of them)")
     dy, x = lib.contiguous(dy), lib.contiguous(x)
     vecs = [lib.contiguous(lib.as_float32(v)) for v in (scale, rs1, rs2)]
     dtype = _dtype_name(lib.dtype(x))
@@ -252,6 +255,7 @@ def _bn_grad_device(dy, x, scale, rs1, rs2, epsilon, data_format, is_training, s
         dside = lib.empty_like(x) if side_input_backprop else None
     else:
         dx, dscale, doffset, dside = out
+        _check_device_out(lib, out, x, dy, channels, dtype, fused)
         side_input_backprop = dside is not None
     ws_bytes = _core.cuda_workspace_bytes(shapes, data_format, float(epsilon))
     ws = lib.empty_bytes(x, max(ws_bytes, 1))
@@ -275,12 +279,46 @@ def _bn_grad_device(dy, x, scale, rs1, rs2, epsilon, data_format, is_training, s
     return dx, dscale, doffset
 
 
+def _check_device_out(lib, out, x, dy, channels, dtype, fused):
+    """Raises ValueError unless `out` (see _bn_grad_device) fits the kernel's contract: the
+    kernel gets raw pointers, so a wrong shape, type or layout would be written out of
+    bounds or silently wrong."""
+    dx, dscale, doffset, dside = out
+    names = ("x_backprop", "scale_backprop", "offset_backprop", "side_input_backprop")
+    for name, a, shape, want in zip(names, out, (lib.shape(x), [channels], [channels],
+                                                 lib.shape(x)),
+                                    (dtype, "float32", "float32", dtype)):
+        if a is None:
+            continue
+        if (list(lib.shape(a)) != list(shape) or _dtype_name(lib.dtype(a)) != want
+                or not lib.is_contiguous(a)):
+            raise ValueError("out: %s must be a contiguous %s array of shape %s" % (
+                name, want, list(shape)))
+    if dside is not None and not fused:
+        raise ValueError("out: side_input_backprop needs the fused backward (an activation, "
+                         "y, offset or side_input)")
+    if dx is None or dscale is None or doffset is None:
+        raise ValueError("out: x_backprop, scale_backprop and offset_backprop are required")
+    # The aliasing the kernels allow (backward.h); any other shared start is refused.
+    allowed = {("y_backprop", "x_backprop"), ("x", "x_backprop"),
+               ("y_backprop", "side_input_backprop")}
+    bufs = [(n, lib.ptr(a)) for n, a in (("y_backprop", dy), ("x", x)) + tuple(zip(names, out))
+            if a is not None]
+    for i, (na, pa) in enumerate(bufs):
+        for nb, pb in bufs[i + 1:]:
+            if pa == pb and nb in names and (na, nb) not in allowed:
+                raise ValueError("out: %s must not share memory with %s" % (nb, na))
+
+
 class _Torch:
     def __init__(self, torch):
         self.t = torch
 
     def contiguous(self, a):
         return a.contiguous()
+
+    def is_contiguous(self, a):
+        return a.is_contiguous()
 
     def as_float32(self, a):
         return a.to(self.t.float32)
@@ -313,6 +351,9 @@ class _CuPy:
 
     def contiguous(self, a):
         return self.cp.ascontiguousarray(a)
+
+    def is_contiguous(self, a):
+        return bool(a.flags.c_contiguous)
 
     def as_float32(self, a):
         return a.astype(self.cp.float32, copy=False)
