@@ -179,8 +179,9 @@ constexpr int MaxVec() {
 // shape and T only; misaligned pointers keep it and just use scalar accesses.
 // Channels-last caps 16-bit types at 4 elements (8-byte accesses): there a thread keeps
 // per-channel state (sums, mean, coefficients) for each of its VEC channels, and at 8 it
-// needed 80 registers (37.5% occupancy, fewer bytes in flight); at 4, 16-bit passes ran
-// 0.71-0.89x the time of the 8-wide ones on every shape measured (H200, docs/GPU.md).
+// needed 80 registers (37.5% occupancy, fewer bytes in flight); at 4, the 16-bit backward
+// ran 0.71-0.89x and the forward 0.73-0.96x the time of the 8-wide passes on every shape
+// measured (H200, docs/GPU.md).
 // Channels-first threads keep one channel's state, and 16-byte accesses stay faster there.
 template <typename T>
 int VecWidth(int64_t run, bool channels_last) {
