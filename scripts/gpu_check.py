@@ -460,6 +460,17 @@ def load_bn_forward():
     return getattr(mod, "bn_forward", None)
 
 
+def forward_or_report(part, summary_name, summary, hint=""):
+    """load_bn_forward() for a part that needs it; when the module has none, prints the
+    part's FAIL line, adds "<summary_name> MISSING" to summary and returns None (the caller
+    counts the failure)."""
+    bn_forward = load_bn_forward()
+    if bn_forward is None:
+        print("%s: FAIL: fbn_grad_tf.core has no bn_forward%s" % (part, hint))
+        summary.append("%s MISSING" % summary_name)
+    return bn_forward
+
+
 def to_numpy_dtype(torch, t, dtype):
     """Torch tensor -> CPU NumPy array of `dtype` with identical bits."""
     t = t.detach().contiguous()
@@ -1465,11 +1476,9 @@ def main(argv=None):
         failures += nfail
         summary.append("numerics %d/%d ok" % (total - nfail, total))
     if args.cpu_only and not args.skip_forward:
-        bn_forward = load_bn_forward()
+        bn_forward = forward_or_report("(e) fused modes", "fused modes", summary)
         if bn_forward is None:
-            print("(e) fused modes: FAIL: fbn_grad_tf.core has no bn_forward")
             failures += 1
-            summary.append("fused modes MISSING")
         else:
             n, bad = run_fused_mode_checks(bn_forward, bn_grad, None, args.epsilon,
                                            np.random.default_rng(args.seed + 11),
@@ -1486,11 +1495,10 @@ def main(argv=None):
         summary.append("determinism %s (%d configs)" % ("ok" if not nbad else "%d BAD" % nbad, n))
     if not args.cpu_only and not args.skip_forward:
         print("(d) forward: running ...", flush=True)
-        bn_forward = load_bn_forward()
+        bn_forward = forward_or_report("(d) forward", "forward", summary,
+                                       " (use --skip-forward)")
         if bn_forward is None:
-            print("(d) forward: FAIL: fbn_grad_tf.core has no bn_forward (use --skip-forward)")
             failures += 1
-            summary.append("forward MISSING")
         else:
             n, nbad = run_forward_checks(bn_forward, bn_grad, torch, args.epsilon, args.seed,
                                          args.verbose)
@@ -1499,11 +1507,10 @@ def main(argv=None):
                                                       n))
     if not args.cpu_only and not args.skip_in_place:
         print("(f) in place: running ...", flush=True)
-        bn_forward = load_bn_forward()
+        bn_forward = forward_or_report("(f) in place", "in place", summary,
+                                       " (use --skip-in-place)")
         if bn_forward is None:
-            print("(f) in place: FAIL: fbn_grad_tf.core has no bn_forward")
             failures += 1
-            summary.append("in place MISSING")
         else:
             n, bad = run_in_place_checks(bn_forward, torch, args.epsilon,
                                          np.random.default_rng(args.seed + 23))
