@@ -30,6 +30,9 @@ THREADS = (1, 2, 5)
 BITWISE_CASES = [
     ("NHWC", (8, 32, 32, 24)),      # row tasks, many of them
     ("NCHW", (8, 24, 32, 32)),      # plane tasks
+    ("NCHW", (32, 64, 7, 7)),       # small planes batched per run, a 1-element tail each
+    ("NCHW", (8, 48, 14, 15)),      # small planes of 210: 13 vectors and a 2-element tail
+    ("NCHW", (16, 40, 4, 8)),       # small planes of 32: whole vectors, no tail
     ("NCHW", (4, 6, 10, 30)),       # row tasks on small planes walking (c, s) pairs
     ("NCDHW", (2, 3, 4, 80, 70)),   # planes of 22400 > 16384: two pieces per plane
     ("NDHWC", (2, 4, 30, 30, 17)),  # odd channel count
