@@ -53,7 +53,11 @@ def build(name, policy, variant="conv"):
 
 def owners(base):
     """{layer name: BN layer name} for the activation layers after a BN and the Add + act of
-    a residual block (attributed to the Add's last BN input)."""
+    a residual block. The Add + act goes to the BN that fbn_grad_tf.keras.convert fuses with
+    them: the Add's BN input met first in graph order (in ResNet50's projection blocks the
+    shortcut's `_0_bn`, not `_3_bn`; the other BN input then runs as a plain backward on the
+    side input's gradient)."""
+    order = {layer.name: i for i, layer in enumerate(base.layers)}
     out = {}
     for layer in base.layers:
         if not isinstance(layer, M._activation_types()):
@@ -64,7 +68,7 @@ def owners(base):
         elif isinstance(p, keras.layers.Add):
             bns = [t._keras_history[0].name for t in p.input if M._is_bn(t._keras_history[0])]
             if bns:
-                out[layer.name] = out[p.name] = bns[-1]
+                out[layer.name] = out[p.name] = min(bns, key=order.get)
     return out
 
 
