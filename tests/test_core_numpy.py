@@ -395,3 +395,29 @@ def test_bn_grad_errors():
             run_core(inputs._replace(dy=inputs.dy.astype(bad), x=inputs.x.astype(bad)))
     with pytest.raises(TypeError, match="same dtype"):
         run_core(inputs._replace(dy=inputs.dy.astype(np.float16)))
+
+
+NEG_ZERO_CASES = [("NCHW", (2, 4, 5, 4)), ("NCHW", (3, 4, 7, 7)), ("NHWC", (2, 3, 3, 20))]
+
+
+@pytest.mark.parametrize("fmt, shape", NEG_ZERO_CASES, ids=[case_id(c) for c in NEG_ZERO_CASES])
+def test_negative_zero_scale_keeps_its_sign_on_every_path(fmt, shape):
+    """Inference dx = dy * (scale * inv) with scale = -0.0: every element's zero takes the
+    sign IEEE gives that product, in the vector body and in the tail alike, on every ISA
+    path (a broadcast that computed 0.0 + v once turned -0.0 into +0.0 in the body only)."""
+    rng = np.random.default_rng(7)
+    c = shape[1] if fmt == "NCHW" else shape[-1]
+    dy = rng.standard_normal(shape).astype(np.float32)
+    x = rng.standard_normal(shape).astype(np.float32)
+    scale = np.where(np.arange(c) % 2 == 0, -0.0, 0.0).astype(np.float32)
+    mean, var = np.zeros(c, np.float32), np.ones(c, np.float32)
+    a = scale * (np.float32(1) / np.sqrt(var + np.float32(EPSILON)))
+    bshape = [1, c, 1, 1] if fmt == "NCHW" else [1, 1, 1, c]
+    want = dy * a.reshape(bshape)
+    assert np.signbit(want).any() and not np.signbit(want).all()
+    for isa in core.CPU_ISAS:
+        if not core.cpu_supports(isa):
+            continue
+        dx = core.bn_grad(dy, x, scale, mean, var, EPSILON, fmt, False, num_threads=2,
+                          isa=isa)[0]
+        assert_bitwise_equal(dx, want, "dx, isa=%s" % isa)
