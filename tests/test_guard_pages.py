@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import subproc
-from helpers import np_dtype
+from helpers import assert_bitwise_equal, np_dtype
 
 PAGE = mmap.PAGESIZE
 PROT_NONE = 0
@@ -66,17 +66,6 @@ def guarded_copy(a):
     return g
 
 
-def _bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
-
-
-def _same(got, want, what):
-    assert got.shape == want.shape, what
-    if not np.array_equal(_bits(got), _bits(want)):
-        raise AssertionError("%s differs from the unguarded call" % what)
-
-
 def _backward(core, fmt, shape, dt, training, isa, mode, rng):
     c = shape[1] if fmt.startswith("NC") else shape[-1]
     x = rng.standard_normal(shape).astype(np.float32).astype(dt)
@@ -95,24 +84,18 @@ def _backward(core, fmt, shape, dt, training, isa, mode, rng):
                             is_training=False, activation=mode.lower(), side_input=side,
                             num_threads=1)[0]
 
-    def run(arrays):
-        dy_, x_, y_, side_ = arrays
-        out = (arrays_out[0], np.empty(c, np.float32), np.empty(c, np.float32),
-               arrays_out[1] if fused else None)
+    def run(dy_, x_, y_, side_, dx, dside):
+        out = (dx, np.empty(c, np.float32), np.empty(c, np.float32), dside if fused else None)
         extra = [y_, offset, side_] if fused else None
         core._bn_grad_cpu(dy_, x_, [scale, mean, var], extra, out, fmt, 1e-3, training,
                           "variance", 2, isa, mode)
-        return out
+        return [a for a in out if a is not None]
 
-    arrays_out = (np.empty_like(x), np.empty_like(x))
-    want = run((dy, x, y, side))
-    plain = [np.array(a, copy=True) for a in want if a is not None]
-    arrays_out = (guarded_empty(shape, dt), guarded_empty(shape, dt))
-    got = run((guarded_copy(dy), guarded_copy(x), None if y is None else guarded_copy(y),
-               guarded_copy(side)))
-    for name, g, w in zip(("dx", "dscale", "doffset", "side_input_backprop"),
-                          [a for a in got if a is not None], plain):
-        _same(g, w, name)
+    want = run(dy, x, y, side, np.empty_like(x), np.empty_like(x))
+    got = run(guarded_copy(dy), guarded_copy(x), None if y is None else guarded_copy(y),
+              guarded_copy(side), guarded_empty(shape, dt), guarded_empty(shape, dt))
+    for name, g, w in zip(("dx", "dscale", "doffset", "side_input_backprop"), got, want):
+        assert_bitwise_equal(g, w, name + " against the unguarded call")
 
 
 def _forward(core, fmt, shape, dt, training, isa, mode, rng):
@@ -143,7 +126,7 @@ def _forward(core, fmt, shape, dt, training, isa, mode, rng):
                                   training, core._activation_mode(act), "variance", 2, isa)
     for name, g, w in zip(("y", "batch_mean", "batch_var", "saved_mean", "saved_var"),
                           [gy] + stats, want):
-        _same(g, w, name)
+        assert_bitwise_equal(g, w, name + " against the unguarded call")
 
 
 def check_case(case):
