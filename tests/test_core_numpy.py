@@ -143,6 +143,39 @@ def test_software_prefetch_environment_override(value, want):
     assert p.stdout.strip() == str(want)
 
 
+def _default_stream_min_bytes():
+    """float32 and 16-bit outputs stream from 8 MiB and max(8 MiB, L3 / 10) (common.h)."""
+    try:  # glibc's sysconf(_SC_LEVEL3_CACHE_SIZE), which the core reads (Python lacks it)
+        out = subprocess.run(["getconf", "LEVEL3_CACHE_SIZE"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+    except OSError:
+        pytest.skip("getconf not available")
+    l3 = int(out) if out.isdigit() else 0
+    return [8 << 20, max(8 << 20, l3 // 10)]
+
+
+@pytest.mark.skipif(os.environ.get("FBN_GRAD_TF_STREAM_MIB", "auto") != "auto",
+                    reason="FBN_GRAD_TF_STREAM_MIB is set in this environment")
+def test_stream_threshold_by_element_size():
+    assert [core.stream_min_bytes(4), core.stream_min_bytes(2)] == _default_stream_min_bytes()
+
+
+@pytest.mark.parametrize("value, want", [("0", [0, 0]), ("16", [16 << 20] * 2),
+                                         ("0.5", [1 << 19] * 2), ("auto", None),
+                                         ("-1", None), ("bogus", None)])
+def test_stream_threshold_environment_override(value, want):
+    child = "from fbn_grad_tf import _core; print(_core.stream_min_bytes(4), " \
+            "_core.stream_min_bytes(2))"
+    p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                       env=subprocess_env(FBN_GRAD_TF_STREAM_MIB=value), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    if want is None:  # auto, or an unusable value (with a warning): the defaults
+        if value != "auto":
+            assert "ignoring FBN_GRAD_TF_STREAM_MIB=%s" % value in p.stderr
+        want = _default_stream_min_bytes()
+    assert [int(v) for v in p.stdout.split()] == want
+
+
 def test_auto_isa_and_all_threads_match_default():
     inputs = make_inputs((4, 16, 16, 8), "NHWC", "float32", True, seed=3)
     a = run_core(inputs, isa="auto", num_threads=0)
@@ -421,3 +454,66 @@ def test_negative_zero_scale_keeps_its_sign_on_every_path(fmt, shape):
         dx = core.bn_grad(dy, x, scale, mean, var, EPSILON, fmt, False, num_threads=2,
                           isa=isa)[0]
         assert_bitwise_equal(dx, want, "dx, isa=%s" % isa)
+
+
+# Streamed and plainly stored outputs carry the same bits: a child with every output streamed
+# (FBN_GRAD_TF_STREAM_MIB=0) against this process (plain at these sizes), forward and
+# backward, plain and fused. (The TF op's backward: test_determinism.py.)
+_STREAM_CHILD = r"""
+import sys, numpy as np
+sys.path.insert(0, %(tests)r)
+from fbn_grad_tf import core
+from test_core_numpy import streamed_vs_plain_outputs
+assert core.stream_min_bytes(4) == core.stream_min_bytes(2) == 0
+np.savez(sys.argv[1], **streamed_vs_plain_outputs())
+"""
+
+
+def streamed_vs_plain_outputs():
+    """Forward and backward outputs on shapes with tails, every dtype, NHWC and NCHW, every
+    activation, training and inference (2 threads): name -> raw bits."""
+    out = {}
+    for fmt, shape in (("NHWC", (3, 5, 7, 37)), ("NCHW", (3, 6, 7, 7)), ("NCHW", (2, 3, 30, 31))):
+        c = shape[-1] if fmt == "NHWC" else shape[1]
+        for dtype in DTYPES:
+            dt = np_dtype(dtype)
+            rng = np.random.default_rng(zlib.crc32(("%s%s%s" % (fmt, shape, dtype)).encode()))
+            x, dy, side = (rng.standard_normal(shape).astype(np.float32).astype(dt)
+                           for _ in range(3))
+            scale, offset = rng.standard_normal(c).astype(np.float32), \
+                rng.standard_normal(c).astype(np.float32)
+            for act in (None, "relu", "swish"):
+                for training in (True, False):
+                    mean = x.astype(np.float32).mean(axis=(0, 2, 3) if fmt == "NCHW"
+                                                     else (0, 1, 2))
+                    var = rng.random(c).astype(np.float32) + 0.5
+                    y = core.bn_forward(x, scale, offset, None if training else mean,
+                                        None if training else var, 1e-3, data_format=fmt,
+                                        is_training=training, activation=act,
+                                        side_input=side if act else None, num_threads=2)
+                    g = core.bn_grad(dy, x, scale, mean, var, 1e-3, fmt, training,
+                                     num_threads=2, activation=act, y=y[0] if act else None,
+                                     offset=offset if act else None,
+                                     side_input=side if act else None,
+                                     side_input_backprop=bool(act))
+                    key = "%s-%s-%s-%s-%s" % (fmt, "x".join(map(str, shape)), dtype, act,
+                                              training)
+                    for i, a in enumerate(list(y) + list(g)):
+                        out["%s-%d" % (key, i)] = bits(np.asarray(a))
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("FBN_GRAD_TF_STREAM_MIB", "auto") != "auto",
+                    reason="FBN_GRAD_TF_STREAM_MIB is set in this environment")
+def test_streamed_outputs_are_bitwise_the_plain_ones(tmp_path):
+    path = str(tmp_path / "streamed.npz")
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, "-c", _STREAM_CHILD % {"tests": tests_dir}, path],
+                       capture_output=True, text=True, timeout=300,
+                       env=subprocess_env(FBN_GRAD_TF_STREAM_MIB="0"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    streamed = dict(np.load(path))
+    plain = streamed_vs_plain_outputs()
+    assert sorted(streamed) == sorted(plain) and len(plain) > 200
+    for k in plain:
+        np.testing.assert_array_equal(streamed[k], plain[k], err_msg=k)

@@ -2,8 +2,8 @@
 
 TensorFlow's thread pools cannot be resized after initialization, so each configuration runs
 in a child Python process: intra-op threads 1, 2 and 4 (and the CPU paths forced through
-FBN_GRAD_TF_ISA, the software prefetch forced on and off through FBN_GRAD_TF_PREFETCH, and
-every call at once in one tf.function with inter-op parallelism), on
+FBN_GRAD_TF_ISA, the software prefetch forced on and off through FBN_GRAD_TF_PREFETCH, every
+output streamed through FBN_GRAD_TF_STREAM_MIB=0, and every call at once in one tf.function with inter-op parallelism), on
 the same seeded inputs, each computing every case twice, with the plain backward and with
 the fused one (FusedBatchNormGradEx: Relu6, Swish with a side input). The children
 save the raw output bits; all of them must be identical.
@@ -46,7 +46,8 @@ CHILD = textwrap.dedent(r"""
     cases = %(cases)r
     result = {"intra_op_threads": np.array(tf.config.threading.get_intra_op_parallelism_threads()),
               "isa": np.array(core.default_isa()),
-              "prefetch": np.array(core.software_prefetch())}
+              "prefetch": np.array(core.software_prefetch()),
+              "stream_min_bytes": np.array([core.stream_min_bytes(4), core.stream_min_bytes(2)])}
     calls = {}
     for i, (fmt, shape, dtype) in enumerate(cases):
         for training in (True, False):
@@ -107,6 +108,8 @@ CONFIGS = {  # name -> (intra-op threads, inter-op threads, extra environment)
     # The software prefetch (on by default except on AMD CPUs) changes speed only.
     "threads2-prefetch-on": (2, 1, {"FBN_GRAD_TF_PREFETCH": "on"}),
     "threads2-prefetch-off": (2, 1, {"FBN_GRAD_TF_PREFETCH": "off"}),
+    # Every output written with non-temporal stores (the default streams only large ones).
+    "threads2-streamed": (2, 1, {"FBN_GRAD_TF_STREAM_MIB": "0"}),
     # Every call in one tf.function with 4 inter-op threads: our ops run at the same time
     # and compete for the 2 intra-op threads.
     "threads2-concurrent": (2, 4, {}),
@@ -144,6 +147,11 @@ def test_children_ran_with_requested_configuration(child_outputs):
         want = {"on": True, "off": False}.get(env.get("FBN_GRAD_TF_PREFETCH"),
                                               core.software_prefetch())
         assert bool(out["prefetch"]) == want
+        if "FBN_GRAD_TF_STREAM_MIB" in env:
+            assert list(out["stream_min_bytes"]) == [0, 0]
+        else:
+            assert list(out["stream_min_bytes"]) == [core.stream_min_bytes(4),
+                                                     core.stream_min_bytes(2)]
 
 
 def test_repeated_runs_in_one_process_bitwise_equal(child_outputs):

@@ -8,7 +8,9 @@ tensor (dy, x, y, side input, dx, side_input_backprop; the forward's x, side inp
 lives at the end of its own anonymous mapping whose next page is PROT_NONE: a byte past the
 end faults. A fault kills the child process (tests/subproc.py), which fails that case; the
 child also checks that the guarded call's outputs are bitwise those of the same call on
-ordinary arrays, so a kernel that skipped its tail would fail too.
+ordinary arrays, so a kernel that skipped its tail would fail too. Every case runs twice: with
+the default output stores (plain at these sizes) and with every output streamed
+(FBN_GRAD_TF_STREAM_MIB=0: non-temporal stores from an L1 buffer, plain head and tail).
 """
 import ctypes
 import mmap
@@ -135,6 +137,8 @@ def check_case(case):
     fmt, shape, dtype, direction = case["fmt"], tuple(case["shape"]), case["dtype"], \
         case["direction"]
     dt = np_dtype(dtype)
+    streamed = core.stream_min_bytes(np.dtype(dt).itemsize) == 0
+    assert streamed == (case["stores"] == "streamed"), "FBN_GRAD_TF_STREAM_MIB not honoured"
     rng = np.random.default_rng(len(shape) * 1000 + shape[-1])
     done = 0
     for isa in core.CPU_ISAS:
@@ -151,15 +155,22 @@ def check_case(case):
 
 # ---- the parent side ----------------------------------------------------------------------
 
-CASES = [{"id": "%s-%s-%s-%s" % (d, f, "x".join(map(str, s)), t), "fmt": f, "shape": list(s),
-          "dtype": t, "direction": d}
-         for d in ("backward", "forward") for f, s in SHAPES for t in DTYPES]
+# stores: "plain" (the default thresholds, far above these sizes) or "streamed" (every output
+# through the non-temporal path, in a child run with FBN_GRAD_TF_STREAM_MIB=0).
+STORES = {"plain": {"FBN_GRAD_TF_STREAM_MIB": None}, "streamed": {"FBN_GRAD_TF_STREAM_MIB": "0"}}
+CASES = [{"id": "%s-%s-%s-%s-%s" % (d, f, "x".join(map(str, s)), t, st), "fmt": f,
+          "shape": list(s), "dtype": t, "direction": d, "stores": st}
+         for st in STORES for d in ("backward", "forward") for f, s in SHAPES for t in DTYPES]
 
 
 @pytest.fixture(scope="module")
 def outcomes():
-    outs = subproc.run_cases("test_guard_pages:check_case", CASES, timeout=900)
-    return {c["id"]: o for c, o in zip(CASES, outs)}
+    result = {}
+    for stores, env in STORES.items():
+        cases = [c for c in CASES if c["stores"] == stores]
+        outs = subproc.run_cases("test_guard_pages:check_case", cases, timeout=900, env=env)
+        result.update({c["id"]: o for c, o in zip(cases, outs)})
+    return result
 
 
 def test_guard_page_really_faults():

@@ -84,9 +84,12 @@ def test_kernel_in_place_is_bitwise_out_of_place(dtype, fmt, shape, mode, alias,
 
 @pytest.mark.parametrize("alias", ["dx=dy", "dx=x"])
 def test_kernel_in_place_streamed_dx(alias):
-    """dx of 8 MB or more is streamed out through an L1 buffer (kStreamBytes)."""
+    """A float32 dx of 8 MiB or more is streamed out through an L1 buffer when it is not
+    written in place (StreamMinBytes): the fresh-output reference streams, the aliased call
+    must not (it stores plainly over dy or x), and both give the same bits."""
     inp = make_inputs((4, 32, 32, 544), "NHWC", "float32", True, seed=12)
-    assert inp.x.nbytes >= 8 << 20
+    if inp.x.nbytes < core.stream_min_bytes(4):
+        pytest.skip("FBN_GRAD_TF_STREAM_MIB sets a threshold above this dx")
     want = _raw_grad(inp, "NHWC", True, "relu-recompute", None)
     got = _raw_grad(inp, "NHWC", True, "relu-recompute", ALIASES[alias])
     for w, g in zip(want[:3], got[:3]):

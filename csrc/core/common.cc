@@ -1,6 +1,7 @@
 // What the forward and the backward share (common.h): data formats, the validation helpers,
 // 16-bit conversions, the std::thread task runner (worker pool) and the runtime choice of
 // the CPU instruction-set path.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include <pthread.h>
+#include <unistd.h>
 
 #include "common.h"
 #include "cpu/kernels.h"
@@ -469,6 +471,39 @@ bool SoftwarePrefetch() {
     return by_vendor;
   }();
   return chosen;
+}
+
+namespace {
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+int64_t LastLevelCacheBytes() {
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+  const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  if (l3 > 0) return l3;
+#endif
+  return 0;
+}
+}  // namespace
+
+int64_t StreamMinBytes(int itemsize) {
+  // -1: no override; otherwise the threshold for every type.
+  static const int64_t forced = [] {
+    const char* env = std::getenv("FBN_GRAD_TF_STREAM_MIB");
+    if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return int64_t{-1};
+    char* end = nullptr;
+    const double mib = std::strtod(env, &end);
+    if (end == env || *end != '\0' || !(mib >= 0.0) || mib > 1e9) {
+      std::fprintf(stderr,
+                   "fbn_grad_tf: ignoring FBN_GRAD_TF_STREAM_MIB=%s (expected a number of "
+                   "MiB >= 0, or auto)\n",
+                   env);
+      return int64_t{-1};
+    }
+    return static_cast<int64_t>(mib * static_cast<double>(kMiB));
+  }();
+  static const int64_t half_bytes = std::max(8 * kMiB, LastLevelCacheBytes() / 10);
+  if (forced >= 0) return forced;
+  return itemsize >= 4 ? 8 * kMiB : half_bytes;
 }
 
 template <typename T>

@@ -182,6 +182,21 @@ CpuIsa DefaultCpuIsa();
 // variable FBN_GRAD_TF_PREFETCH (on | off | auto) says otherwise. Read once.
 bool SoftwarePrefetch();
 
+// From how many bytes the CPU kernels write a fresh output (the backward's dx, the forward's y)
+// with non-temporal stores, by element size. Streaming saves the read-for-ownership of lines
+// that are not cached, but must evict the ones that are, and an output buffer recycled by
+// TF's allocator often still is. Measured per call on a Xeon that reports a 480 MB L3
+// (docs/BENCHMARK.md, "Streaming stores by element size"): float32 outputs of 12.8-103 MB
+// took 0.77-0.88x the time streamed, while the 16-bit kernels (twice the work per byte)
+// took 0.7-0.85x the time at 12.8-25.7 MB written plainly, about even at 51 MB; inside
+// training steps neither way changed anything beyond noise. So float32 streams from 8 MiB
+// (as every type did before), 16-bit outputs from max(8 MiB, last-level cache / 10): 48 MiB
+// on that Xeon, still 8 MiB where the L3 is 32 MiB (the EPYC, not measured since). An output
+// written in place (dx over dy or x) is never streamed (backward.inc). The environment
+// variable FBN_GRAD_TF_STREAM_MIB (MiB, 0 = every output; auto) sets one threshold for all
+// types, for tests and experiments. Read once.
+int64_t StreamMinBytes(int itemsize);
+
 // Scalar conversions used everywhere on the CPU (round to nearest even, NaN kept quiet).
 float HalfToFloat(half_t h);
 half_t FloatToHalf(float f);

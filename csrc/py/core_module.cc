@@ -495,6 +495,10 @@ PYBIND11_MODULE(_core, m) {
   m.def("software_prefetch", [] { return fbn::SoftwarePrefetch(); },
         "Whether the CPU backward prefetches its inputs in software (off on AMD CPUs; "
         "FBN_GRAD_TF_PREFETCH=on|off|auto)");
+  m.def("stream_min_bytes", [](int itemsize) { return fbn::StreamMinBytes(itemsize); },
+        py::arg("itemsize"),
+        "From how many bytes a fresh CPU output of this element size (4 or 2) is written with "
+        "non-temporal stores (FBN_GRAD_TF_STREAM_MIB overrides)");
   m.def("isa_names", [] {
     std::vector<std::string> names;
     for (fbn::CpuIsa isa : fbn::kCpuIsas) names.push_back(fbn::CpuIsaName(isa));

@@ -17,7 +17,7 @@ import numpy as np
 from . import _core
 
 __all__ = ["bn_grad", "bn_forward", "validate", "validate_forward", "default_isa", "cpu_supports",
-           "software_prefetch", "CPU_ISAS", "with_cuda", "bfloat16"]
+           "software_prefetch", "stream_min_bytes", "CPU_ISAS", "with_cuda", "bfloat16"]
 
 with_cuda = bool(_core.with_cuda)
 default_isa = _core.default_isa
@@ -25,6 +25,10 @@ cpu_supports = _core.cpu_supports
 # Whether the CPU backward prefetches its inputs in software: off on AMD CPUs, where that
 # measured faster, on elsewhere; FBN_GRAD_TF_PREFETCH=on|off|auto overrides (read once).
 software_prefetch = _core.software_prefetch
+# From how many bytes a fresh CPU output (dx, y) of an element size (4: float32, 2: the 16-bit
+# types) is written with non-temporal stores: 8 MiB for float32, max(8 MiB, L3 / 10) for the
+# 16-bit types; FBN_GRAD_TF_STREAM_MIB=<MiB> sets one threshold for all (read once).
+stream_min_bytes = _core.stream_min_bytes
 # Every CPU path compiled in, lowest first; cpu_supports(name) says which this CPU can run.
 CPU_ISAS = tuple(_core.isa_names())
 validate = _core.validate
