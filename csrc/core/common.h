@@ -187,8 +187,8 @@ bool SoftwarePrefetch();
 // that are not cached, but must evict the ones that are, and an output buffer recycled by
 // TF's allocator often still is. Measured per call on a Xeon that reports a 480 MB L3
 // (docs/BENCHMARK.md, "Streaming stores by element size"): float32 outputs of 12.8-103 MB
-// took 0.77-0.88x the time streamed, while the 16-bit kernels (twice the work per byte)
-// took 0.7-0.85x the time at 12.8-25.7 MB written plainly, about even at 51 MB; inside
+// took 0.76-0.93x the time streamed, while the 16-bit kernels (twice the work per byte)
+// took 0.65-0.82x the time at 9.4-25.7 MB written plainly, about even at 51 MB; inside
 // training steps neither way changed anything beyond noise. So float32 streams from 8 MiB
 // (as every type did before), 16-bit outputs from max(8 MiB, last-level cache / 10): 48 MiB
 // on that Xeon, still 8 MiB where the L3 is 32 MiB (the EPYC, not measured since). An output
