@@ -154,15 +154,22 @@ def _default_stream_min_bytes():
     return [8 << 20, max(8 << 20, l3 // 10)]
 
 
-@pytest.mark.skipif(os.environ.get("FBN_GRAD_TF_STREAM_MIB", "auto") != "auto",
+@pytest.mark.skipif(os.environ.get("FBN_GRAD_TF_STREAM_MIB", "") not in ("", "auto"),
                     reason="FBN_GRAD_TF_STREAM_MIB is set in this environment")
 def test_stream_threshold_by_element_size():
     assert [core.stream_min_bytes(4), core.stream_min_bytes(2)] == _default_stream_min_bytes()
+    for itemsize in (0, 1, 8):
+        with pytest.raises(ValueError, match="itemsize must be 4"):
+            core.stream_min_bytes(itemsize)
 
 
 @pytest.mark.parametrize("value, want", [("0", [0, 0]), ("16", [16 << 20] * 2),
-                                         ("0.5", [1 << 19] * 2), ("auto", None),
-                                         ("-1", None), ("bogus", None)])
+                                         ("0.5", [1 << 19] * 2), (".25", [1 << 18] * 2),
+                                         ("auto", None), ("", None), ("-1", None),
+                                         ("-0", None), (" 16", None), ("16 ", None),
+                                         ("1e3", None), ("0x10", None), ("nan", None),
+                                         ("inf", None), ("1.2.3", None), (".", None),
+                                         ("bogus", None)])
 def test_stream_threshold_environment_override(value, want):
     child = "from fbn_grad_tf import _core; print(_core.stream_min_bytes(4), " \
             "_core.stream_min_bytes(2))"
@@ -170,7 +177,7 @@ def test_stream_threshold_environment_override(value, want):
                        env=subprocess_env(FBN_GRAD_TF_STREAM_MIB=value), timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     if want is None:  # auto, or an unusable value (with a warning): the defaults
-        if value != "auto":
+        if value not in ("auto", ""):
             assert "ignoring FBN_GRAD_TF_STREAM_MIB=%s" % value in p.stderr
         want = _default_stream_min_bytes()
     assert [int(v) for v in p.stdout.split()] == want
@@ -465,14 +472,20 @@ sys.path.insert(0, %(tests)r)
 from fbn_grad_tf import core
 from test_core_numpy import streamed_vs_plain_outputs
 assert core.stream_min_bytes(4) == core.stream_min_bytes(2) == 0
-np.savez(sys.argv[1], **streamed_vs_plain_outputs())
+out = streamed_vs_plain_outputs()
+# Every forward and every backward wrote its output streamed (none of them in place).
+streamed = core._core.streamed_output_count()
+assert streamed == out.pop("calls"), streamed
+np.savez(sys.argv[1], **out)
 """
 
 
 def streamed_vs_plain_outputs():
     """Forward and backward outputs on shapes with tails, every dtype, NHWC and NCHW, every
-    activation, training and inference (2 threads): name -> raw bits."""
+    activation, training and inference (2 threads): name -> raw bits, and "calls": how many
+    kernel passes wrote an output (one per forward, one per backward)."""
     out = {}
+    calls = 0
     for fmt, shape in (("NHWC", (3, 5, 7, 37)), ("NCHW", (3, 6, 7, 7)), ("NCHW", (2, 3, 30, 31))):
         c = shape[-1] if fmt == "NHWC" else shape[1]
         for dtype in DTYPES:
@@ -498,12 +511,14 @@ def streamed_vs_plain_outputs():
                                      side_input_backprop=bool(act))
                     key = "%s-%s-%s-%s-%s" % (fmt, "x".join(map(str, shape)), dtype, act,
                                               training)
+                    calls += 2
                     for i, a in enumerate(list(y) + list(g)):
                         out["%s-%d" % (key, i)] = bits(np.asarray(a))
+    out["calls"] = calls
     return out
 
 
-@pytest.mark.skipif(os.environ.get("FBN_GRAD_TF_STREAM_MIB", "auto") != "auto",
+@pytest.mark.skipif(os.environ.get("FBN_GRAD_TF_STREAM_MIB", "") not in ("", "auto"),
                     reason="FBN_GRAD_TF_STREAM_MIB is set in this environment")
 def test_streamed_outputs_are_bitwise_the_plain_ones(tmp_path):
     path = str(tmp_path / "streamed.npz")
@@ -513,7 +528,10 @@ def test_streamed_outputs_are_bitwise_the_plain_ones(tmp_path):
                        env=subprocess_env(FBN_GRAD_TF_STREAM_MIB="0"))
     assert p.returncode == 0, p.stderr[-3000:]
     streamed = dict(np.load(path))
+    before = _core.streamed_output_count()
     plain = streamed_vs_plain_outputs()
+    assert _core.streamed_output_count() == before  # small outputs: plain stores here
+    del plain["calls"]
     assert sorted(streamed) == sorted(plain) and len(plain) > 200
     for k in plain:
         np.testing.assert_array_equal(streamed[k], plain[k], err_msg=k)

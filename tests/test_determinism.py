@@ -2,8 +2,9 @@
 
 TensorFlow's thread pools cannot be resized after initialization, so each configuration runs
 in a child Python process: intra-op threads 1, 2 and 4 (and the CPU paths forced through
-FBN_GRAD_TF_ISA, the software prefetch forced on and off through FBN_GRAD_TF_PREFETCH, every
-output streamed through FBN_GRAD_TF_STREAM_MIB=0, and every call at once in one tf.function with inter-op parallelism), on
+FBN_GRAD_TF_ISA, the software prefetch forced on and off through FBN_GRAD_TF_PREFETCH,
+every output streamed through FBN_GRAD_TF_STREAM_MIB=0, and every call at once in one
+tf.function with inter-op parallelism), on
 the same seeded inputs, each computing every case twice, with the plain backward and with
 the fused one (FusedBatchNormGradEx: Relu6, Swish with a side input). The children
 save the raw output bits; all of them must be identical.

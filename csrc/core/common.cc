@@ -490,9 +490,22 @@ int64_t StreamMinBytes(int itemsize) {
   static const int64_t forced = [] {
     const char* env = std::getenv("FBN_GRAD_TF_STREAM_MIB");
     if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return int64_t{-1};
-    char* end = nullptr;
-    const double mib = std::strtod(env, &end);
-    if (end == env || *end != '\0' || !(mib >= 0.0) || mib > 1e9) {
+    // A plain decimal number: digits and at most one point (no sign, space, exponent or hex,
+    // which strtod would take); parsed by hand, as strtod's decimal point follows the locale.
+    double mib = 0.0, unit = 1.0;
+    bool digits = false, point = false, ok = true;
+    for (const char* c = env; *c != '\0' && ok; ++c) {
+      if (*c >= '0' && *c <= '9') {
+        digits = true;
+        if (point) unit /= 10.0;
+        mib = point ? mib + (*c - '0') * unit : mib * 10.0 + (*c - '0');
+      } else if (*c == '.' && !point) {
+        point = true;
+      } else {
+        ok = false;
+      }
+    }
+    if (!ok || !digits || mib > 1e9) {
       std::fprintf(stderr,
                    "fbn_grad_tf: ignoring FBN_GRAD_TF_STREAM_MIB=%s (expected a number of "
                    "MiB >= 0, or auto)\n",
@@ -505,6 +518,14 @@ int64_t StreamMinBytes(int itemsize) {
   if (forced >= 0) return forced;
   return itemsize >= 4 ? 8 * kMiB : half_bytes;
 }
+
+namespace {
+std::atomic<int64_t> g_streamed_outputs{0};
+}  // namespace
+
+void CountStreamedOutput() { g_streamed_outputs.fetch_add(1, std::memory_order_relaxed); }
+
+int64_t StreamedOutputCount() { return g_streamed_outputs.load(std::memory_order_relaxed); }
 
 template <typename T>
 cpu::KernelSet<T> cpu::KernelsFor(CpuIsa isa) {

@@ -185,7 +185,7 @@ bool SoftwarePrefetch();
 // From how many bytes the CPU kernels write a fresh output (the backward's dx, the forward's y)
 // with non-temporal stores, by element size. Streaming saves the read-for-ownership of lines
 // that are not cached, but must evict the ones that are, and an output buffer recycled by
-// TF's allocator often still is. Measured per call on a Xeon that reports a 480 MB L3
+// TF's allocator often still is. Measured per call on a Xeon VM that reports a 480 MiB L3
 // (docs/BENCHMARK.md, "Streaming stores by element size"): float32 outputs of 12.8-103 MB
 // took 0.76-0.93x the time streamed, while the 16-bit kernels (twice the work per byte)
 // took 0.65-0.82x the time at 9.4-25.7 MB written plainly, about even at 51 MB; inside
@@ -193,9 +193,17 @@ bool SoftwarePrefetch();
 // (as every type did before), 16-bit outputs from max(8 MiB, last-level cache / 10): 48 MiB
 // on that Xeon, still 8 MiB where the L3 is 32 MiB (the EPYC, not measured since). An output
 // written in place (dx over dy or x) is never streamed (backward.inc). The environment
-// variable FBN_GRAD_TF_STREAM_MIB (MiB, 0 = every output; auto) sets one threshold for all
-// types, for tests and experiments. Read once.
+// variable FBN_GRAD_TF_STREAM_MIB (a plain decimal number of MiB, 0 = every output; auto)
+// sets one threshold for all types, for tests and experiments. Read once, by each library
+// that holds the kernels (the TF op library and the core module each have their copy). L3/10
+// is a heuristic: measured only on that VM, which sees the host's whole L3.
 int64_t StreamMinBytes(int itemsize);
+
+// How many outputs the CPU kernels have streamed in this library since it was loaded (one per
+// kernel pass that writes its dx or y with non-temporal stores). A statistic for tests and
+// tools: it shows which way StreamMinBytes sent a call; results never depend on it.
+void CountStreamedOutput();
+int64_t StreamedOutputCount();
 
 // Scalar conversions used everywhere on the CPU (round to nearest even, NaN kept quiet).
 float HalfToFloat(half_t h);

@@ -495,10 +495,19 @@ PYBIND11_MODULE(_core, m) {
   m.def("software_prefetch", [] { return fbn::SoftwarePrefetch(); },
         "Whether the CPU backward prefetches its inputs in software (off on AMD CPUs; "
         "FBN_GRAD_TF_PREFETCH=on|off|auto)");
-  m.def("stream_min_bytes", [](int itemsize) { return fbn::StreamMinBytes(itemsize); },
+  m.def("stream_min_bytes",
+        [](int itemsize) {
+          if (itemsize != 2 && itemsize != 4)
+            throw py::value_error("stream_min_bytes: itemsize must be 4 (float32) or 2 "
+                                  "(bfloat16, float16), got " + std::to_string(itemsize));
+          return fbn::StreamMinBytes(itemsize);
+        },
         py::arg("itemsize"),
         "From how many bytes a fresh CPU output of this element size (4 or 2) is written with "
         "non-temporal stores (FBN_GRAD_TF_STREAM_MIB overrides)");
+  m.def("streamed_output_count", [] { return fbn::StreamedOutputCount(); },
+        "How many outputs this module's CPU kernels have written with non-temporal stores "
+        "(one per kernel pass), a statistic for tests");
   m.def("isa_names", [] {
     std::vector<std::string> names;
     for (fbn::CpuIsa isa : fbn::kCpuIsas) names.push_back(fbn::CpuIsaName(isa));
