@@ -90,8 +90,12 @@ def test_kernel_in_place_streamed_dx(alias):
     inp = make_inputs((4, 32, 32, 544), "NHWC", "float32", True, seed=12)
     if inp.x.nbytes < core.stream_min_bytes(4):
         pytest.skip("FBN_GRAD_TF_STREAM_MIB sets a threshold above this dx")
+    count = core._core.streamed_output_count
+    before = count()
     want = _raw_grad(inp, "NHWC", True, "relu-recompute", None)
+    assert count() == before + 1  # the fresh dx streamed
     got = _raw_grad(inp, "NHWC", True, "relu-recompute", ALIASES[alias])
+    assert count() == before + 1  # the aliased one did not
     for w, g in zip(want[:3], got[:3]):
         assert_bitwise_equal(g, w, alias)
 

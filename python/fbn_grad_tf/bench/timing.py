@@ -248,10 +248,10 @@ def _machine_meta():
         meta["fbn_grad_tf_isa"] = "unknown (%s)" % e
     try:  # ... and from what size fresh outputs are streamed (float32, 16-bit; common.h)
         from .. import core
-        meta["fbn_grad_tf_stream_min_bytes"] = {"float32": core.stream_min_bytes(4),
-                                                "16-bit": core.stream_min_bytes(2)}
+        stream = {"float32": core.stream_min_bytes(4), "16-bit": core.stream_min_bytes(2)}
+        meta["fbn_grad_tf_stream_min_bytes"] = stream
         meta["fbn_grad_tf_isa"] += ", streaming stores from %g/%g MiB (float32/16-bit)" % (
-            core.stream_min_bytes(4) / 2**20, core.stream_min_bytes(2) / 2**20)
+            stream["float32"] / 2**20, stream["16-bit"] / 2**20)
     except Exception as e:  # pragma: no cover
         meta["fbn_grad_tf_isa"] += ", streaming stores: unknown (%s)" % e
     return meta
