@@ -153,7 +153,7 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
     // `done`, because sleeping and being woken costs more than that on a VM (a futex wait,
     // the helper's futex wake, the scheduler). Measured inside training steps, float32 and
     // mixed_bfloat16 (docs/BENCHMARK.md, "Waiting for a helper"): the sum of our BN ops' times
-    // fell by 7-9% in ResNet50, MobileNetV2 and DenseNet121, the other ops' times unchanged;
+    // fell by 7-11% in ResNet50, MobileNetV2 and DenseNet121, the other ops' times unchanged;
     // bounds of 30, 100 and 1000 us measured the same.
     void Close() {
       {
