@@ -3,6 +3,7 @@
 // the CPU instruction-set path.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
@@ -280,8 +281,12 @@ bfloat16_t FloatToBFloat16(float f) {
 namespace {
 
 // Worker threads kept for the life of the process. Starting and joining a thread on every
-// Run cost 20-50 us per pass, a tenth of a 1M-element backward; these wait on a condition
-// variable between runs (no spinning, so an idle pool takes no CPU).
+// Run cost 20-50 us per pass, a tenth of a 1M-element backward. Between runs a worker spins
+// for up to kPoolSpin, then sleeps on a condition variable, so an idle pool takes no CPU
+// after that; the caller likewise spins for up to kPoolSpin for the workers to finish before
+// it sleeps. Sleeping at once cost a futex sleep and wake per pass on each side: on a 2-core
+// VM a 73K-element forward took 143 us on 2 threads against 30 us on 1 (docs/BENCHMARK.md,
+// "Waiting for a helper").
 class WorkerPool {
  public:
   // Never destroyed: at exit the threads are still blocked in Loop, and destroying a
@@ -308,34 +313,58 @@ class WorkerPool {
       std::lock_guard<std::mutex> lk(mu_);
       while (static_cast<int>(threads_.size()) < extra) {
         const int index = static_cast<int>(threads_.size());
-        threads_.emplace_back([this, index, seen = generation_] { Loop(index, seen); });
+        threads_.emplace_back([this, index, seen = generation_.load()] { Loop(index, seen); });
       }
       work_ = &work;
       wanted_ = extra;
-      running_ = extra;
-      ++generation_;
+      running_.store(extra, std::memory_order_relaxed);
+      generation_.store(generation_.load(std::memory_order_relaxed) + 1,
+                        std::memory_order_release);
     }
-    wake_.notify_all();
+    wake_.notify_all();  // no system call while every worker is still spinning
     work();
-    std::unique_lock<std::mutex> lk(mu_);
-    done_.wait(lk, [this] { return running_ == 0; });
+    const auto finished = [this] { return running_.load(std::memory_order_acquire) == 0; };
+    std::unique_lock<std::mutex> lk(mu_, std::defer_lock);
+    if (!SpinUntil(finished)) {
+      lk.lock();
+      done_.wait(lk, finished);
+    } else {
+      lk.lock();
+    }
     work_ = nullptr;
   }
 
  private:
+  // Spins (CpuRelax) until done() or kPoolSpin has passed; returns done().
+  template <typename Done>
+  static bool SpinUntil(const Done& done) {
+    const auto deadline = std::chrono::steady_clock::now() + kPoolSpin;
+    for (int i = 1;; ++i) {
+      if (done()) return true;
+      CpuRelax();
+      if (i % 64 == 0 && std::chrono::steady_clock::now() > deadline) return done();
+    }
+  }
+
   void Loop(int index, uint64_t seen) {
-    std::unique_lock<std::mutex> lk(mu_);
+    const auto started = [&] { return generation_.load(std::memory_order_acquire) != seen; };
     for (;;) {
-      wake_.wait(lk, [&] { return generation_ != seen; });
-      seen = generation_;
+      SpinUntil(started);
+      std::unique_lock<std::mutex> lk(mu_);
+      wake_.wait(lk, started);
+      // Read under mu_: the run's generation, width and work are set together.
+      seen = generation_.load(std::memory_order_relaxed);
       if (index >= wanted_) continue;
       const std::function<void()>* work = work_;
       lk.unlock();
       (*work)();
       lk.lock();
-      if (--running_ == 0) done_.notify_one();
+      // release: the caller, seeing 0 while it spins, reads what this worker wrote.
+      if (running_.fetch_sub(1, std::memory_order_release) == 1) done_.notify_one();
     }
   }
+
+  static constexpr std::chrono::microseconds kPoolSpin{100};
 
   static WorkerPool* instance_;
   std::mutex run_mu_;  // a second caller (another Python thread) waits for the first
@@ -343,9 +372,9 @@ class WorkerPool {
   std::condition_variable wake_, done_;
   std::vector<std::thread> threads_;
   const std::function<void()>* work_ = nullptr;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};  // changed under mu_, read also without it
   int wanted_ = 0;   // pool threads taking part in the current run
-  int running_ = 0;  // of those, the ones not finished yet
+  std::atomic<int> running_{0};  // of those, the ones not finished yet (changed under mu_)
 };
 
 WorkerPool* WorkerPool::instance_ = nullptr;

@@ -120,6 +120,16 @@ class TaskRunner {
                    const std::function<void(int64_t, int64_t)>& fn) const = 0;
 };
 
+// One step of a spin-wait (the runners' bounded waits for each other): tells the core, and a
+// hyperthread sibling, that this thread is waiting.
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
 // The scheduling rules every runner follows (ThreadRunner below and the TF ops'
 // IntraOpPoolRunner, csrc/tf/tf_binding.h). Below kMinParallelElems elements of work
 // (num_tasks * cost_per_task) waking a thread costs more than it saves: the caller runs it all.

@@ -50,15 +50,6 @@ typename CoreType<T>::type* CoreData(tensorflow::Tensor* t) {
   return reinterpret_cast<typename CoreType<T>::type*>(t->flat<T>().data());
 }
 
-// One step of a spin-wait: tells the core (and a hyperthread sibling) that we are waiting.
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
 // The task runner of an op's core call, built to share the cores with the rest of a model.
 // Inside a model TF's executor runs independent ops at the same time (a convolution's filter
 // gradient beside a BN backward), each on an inter-op thread, and their inner parallel loops
@@ -163,7 +154,7 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
       }
       const auto deadline = std::chrono::steady_clock::now() + kCloseSpin;
       for (int i = 1;; ++i) {
-        CpuRelax();
+        fbn::CpuRelax();
         if (active.load(std::memory_order_acquire) == 0) return;
         if (i % 64 == 0 && std::chrono::steady_clock::now() > deadline) break;
       }
