@@ -3,7 +3,6 @@
 // the CPU instruction-set path.
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
@@ -324,32 +323,17 @@ class WorkerPool {
     wake_.notify_all();  // no system call while every worker is still spinning
     work();
     const auto finished = [this] { return running_.load(std::memory_order_acquire) == 0; };
-    std::unique_lock<std::mutex> lk(mu_, std::defer_lock);
-    if (!SpinUntil(finished)) {
-      lk.lock();
-      done_.wait(lk, finished);
-    } else {
-      lk.lock();
-    }
+    const bool spun = SpinUntil(finished, kPoolSpin);
+    std::unique_lock<std::mutex> lk(mu_);
+    if (!spun) done_.wait(lk, finished);
     work_ = nullptr;
   }
 
  private:
-  // Spins (CpuRelax) until done() or kPoolSpin has passed; returns done().
-  template <typename Done>
-  static bool SpinUntil(const Done& done) {
-    const auto deadline = std::chrono::steady_clock::now() + kPoolSpin;
-    for (int i = 1;; ++i) {
-      if (done()) return true;
-      CpuRelax();
-      if (i % 64 == 0 && std::chrono::steady_clock::now() > deadline) return done();
-    }
-  }
-
   void Loop(int index, uint64_t seen) {
     const auto started = [&] { return generation_.load(std::memory_order_acquire) != seen; };
     for (;;) {
-      SpinUntil(started);
+      SpinUntil(started, kPoolSpin);
       std::unique_lock<std::mutex> lk(mu_);
       wake_.wait(lk, started);
       // Read under mu_: the run's generation, width and work are set together.

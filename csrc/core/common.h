@@ -9,6 +9,7 @@
 #ifndef FBN_GRAD_TF_CORE_COMMON_H_
 #define FBN_GRAD_TF_CORE_COMMON_H_
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -128,6 +129,19 @@ inline void CpuRelax() {
 #elif defined(__aarch64__)
   asm volatile("yield" ::: "memory");
 #endif
+}
+
+// Spins (CpuRelax) until done() or `limit` has passed; returns done(). The runners' waits for
+// each other spin this long before they sleep on a condition variable (ThreadRunner's pool,
+// common.cc; the TF ops' IntraOpPoolRunner, csrc/tf/tf_binding.h).
+template <typename Done>
+bool SpinUntil(const Done& done, std::chrono::microseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (int i = 1;; ++i) {
+    if (done()) return true;
+    CpuRelax();
+    if (i % 64 == 0 && std::chrono::steady_clock::now() > deadline) return done();
+  }
 }
 
 // The scheduling rules every runner follows (ThreadRunner below and the TF ops'
