@@ -31,6 +31,9 @@ CASES = [
     ("NHWC", (8, 64, 64, 32), "bfloat16"),
     ("NCHW", (8, 32, 64, 64), "bfloat16"),
     ("NCDHW", (2, 16, 8, 32, 32), "float16"),
+    # Wide channels-last rows with a remainder: walked in blocks down several rows where the
+    # kernels prefetch, row by row where they do not (prefetch-on / prefetch-off children).
+    ("NHWC", (4, 8, 8, 264), "bfloat16"),
 ]
 
 CHILD = textwrap.dedent(r"""

@@ -198,6 +198,45 @@ def test_bitwise_identical_for_any_threads_and_isa(dtype, fmt, shape):
             assert_bitwise_equal(a, b, name)
 
 
+# Channels-last rows are swept in vectors of 16 channels, several rows at a time on some
+# paths, with masked or scalar last channels and single last rows; the normalize pass is in
+# vectors for every activation but Swish. Channel counts with a remainder (7: no whole
+# vector; 40; 264: wide rows) and row counts that leave single rows at each block's end,
+# every activation, with and without a side input, training and inference.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 7, 40), (2, 3, 5, 7), (2, 7, 9, 264)])
+@pytest.mark.parametrize("activation", [None, "relu", "relu6", "swish"])
+@pytest.mark.parametrize("side", [False, True], ids=["noside", "side"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "infer"])
+def test_channels_last_bitwise_identical_across_isas(dtype, shape, activation, side, training):
+    x, scale, offset, mean, var = make_forward_inputs(shape, "NHWC", dtype, 5)
+    side_input = (np.random.default_rng(6).standard_normal(shape).astype(np.float32)
+                  .astype(x.dtype) if side else None)
+    runs = [core.bn_forward(x, scale, offset, mean, var, EPS, 1.0, "NHWC", training,
+                            activation=activation, side_input=side_input, num_threads=t, isa=isa)
+            for t in (1, 2) for isa in core.CPU_ISAS if core.cpu_supports(isa)]
+    for other in runs[1:]:
+        for a, b, name in zip(runs[0], other, ["y", "mean", "var", "saved_mean", "saved_var"]):
+            assert_bitwise_equal(a, b, name)
+    # And right (every path shares these loops): against float64.
+    y, batch_mean, batch_var, saved_mean, saved_var = forward_float64(
+        x, scale, offset, mean, var, "NHWC", training, 1.0)
+    assert_stats_close(runs[0][1], batch_mean, 1.0, "batch_mean")
+    assert_stats_close(runs[0][2], batch_var, 1.0, "batch_variance", rtol=1e-4)
+    if side:
+        y = y + np.asarray(side_input, np.float64)
+    if activation == "relu":
+        y = np.maximum(y, 0.0)
+    elif activation == "relu6":
+        y = np.clip(y, 0.0, 6.0)
+    elif activation == "swish":
+        y = y / (1.0 + np.exp(-y))
+    assert_y_close(runs[0][0], y, dtype)
+    for other in runs[1:]:
+        for a, b, name in zip(runs[0], other, ["y", "mean", "var", "saved_mean", "saved_var"]):
+            assert_bitwise_equal(a, b, name)
+
+
 # ---- fused ReLU ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "infer"])

@@ -204,6 +204,10 @@ CpuIsa DefaultCpuIsa();
 // lower without them, 32x14x14x1024 alone 1.36-1.42x (docs/BENCHMARK.md, "Software
 // prefetch by CPU vendor"). So: off on AMD CPUs, on elsewhere, unless the environment
 // variable FBN_GRAD_TF_PREFETCH (on | off | auto) says otherwise. Read once.
+// It also picks how channels-last rows are walked, which is tied to who prefetches: where
+// the hardware alone does (off), wide rows are walked in address order (the backward's
+// kRowWalkChannels, the forward statistics' kStatsRows); where the kernels prefetch (on), in
+// blocks of channels down several rows. Same results either way.
 bool SoftwarePrefetch();
 
 // From how many bytes the CPU kernels write a fresh output (the backward's dx, the forward's y)
