@@ -37,7 +37,9 @@ from fbn_grad_tf.bench import models as M, trace as T
 BATCH, SIZE, CLASSES = 16, 96, 10
 
 
-def build(name, policy, variant="conv"):
+def build_variants(name, policy, builders):
+    """MODEL under POLICY (seeded, dropout off) and {key: builder(model), compiled with SGD}
+    for each (key, builder) of `builders` (fbn_grad_tf.bench.models' _build_* functions)."""
     keras.mixed_precision.set_global_policy(policy)
     keras.utils.set_random_seed(0)
     base = M.build_model(name, SIZE, CLASSES)
@@ -45,10 +47,27 @@ def build(name, policy, variant="conv"):
     class Config:
         learning_rate = 0.01
 
-    models = {"tf_fused": M._compile(M._build_tf_fused(base), Config),
-              "conv": M._compile((M._build_ours if variant == "ours" else M._build_converted)(
-                  base), Config)}
-    return base, models
+    return base, {k: M._compile(b(base), Config) for k, b in builders.items()}
+
+
+def build(name, policy, variant="conv"):
+    return build_variants(name, policy, {
+        "tf_fused": M._build_tf_fused,
+        "conv": M._build_ours if variant == "ours" else M._build_converted})
+
+
+def traced_steps(models, nsteps):
+    """One training step per model on a synthetic batch, 3 untimed steps of each, then
+    `nsteps` interleaved steps of each under the TF profiler: (XSpace, {key: [wall ms]})."""
+    x = tf.random.stateless_uniform([BATCH, SIZE, SIZE, 3], [0, 1], 0.0, 1.0)
+    y = tf.random.stateless_uniform([BATCH], [0, 2], 0, CLASSES, dtype=tf.int32)
+    steps = {k: M._train_step(m, x, y) for k, m in models.items()}
+    for k in steps:
+        for _ in range(3):
+            steps[k]()
+    print("tracing %d steps of each variant..." % nsteps, file=sys.stderr)
+    space, wall, _ = T.record(steps, list(steps), nsteps)
+    return space, wall
 
 
 def owners(base):
@@ -115,14 +134,7 @@ def main(argv):
           "converted, activations fused"), file=sys.stderr)
     shapes = {l.name: tuple(l.output.shape[1:]) for l in base.layers if M._is_bn(l)}
     act_owner = owners(base)
-    x = tf.random.stateless_uniform([BATCH, SIZE, SIZE, 3], [0, 1], 0.0, 1.0)
-    y = tf.random.stateless_uniform([BATCH], [0, 2], 0, CLASSES, dtype=tf.int32)
-    steps = {k: M._train_step(m, x, y) for k, m in models.items()}
-    for k in steps:
-        for _ in range(3):
-            steps[k]()
-    print("tracing %d steps of each variant..." % nsteps, file=sys.stderr)
-    space, wall, _ = T.record(steps, list(steps), nsteps)
+    space, wall = traced_steps(models, nsteps)
     print("wall ms per step:", {k: round(statistics.median(v), 1) for k, v in wall.items()})
     events = op_events(space)
     traced, _ = T.step_ops(space)

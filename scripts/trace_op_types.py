@@ -22,12 +22,9 @@ import collections
 import statistics
 import sys
 
-import keras
-import tensorflow as tf
-
 from fbn_grad_tf.bench import models as M, trace as T
+from trace_layers import BATCH, SIZE, build_variants, traced_steps  # this directory
 
-BATCH, SIZE, CLASSES = 16, 96, 10
 VARIANTS = ("tf_fused", "ours", "floor")
 
 
@@ -36,23 +33,9 @@ def main(argv):
     policy = argv[2] if len(argv) > 2 else "mixed_bfloat16"
     steps_n = int(argv[3]) if len(argv) > 3 else 8
     rows = int(argv[4]) if len(argv) > 4 else 30
-    keras.mixed_precision.set_global_policy(policy)
-    keras.utils.set_random_seed(0)
-    base = M.build_model(name, SIZE, CLASSES)
-
-    class Config:
-        learning_rate = 0.01
-
-    builders = {"tf_fused": M._build_tf_fused, "ours": M._build_ours, "floor": M._build_floor}
-    models = {k: M._compile(builders[k](base), Config) for k in VARIANTS}
-    x = tf.random.stateless_uniform([BATCH, SIZE, SIZE, 3], [0, 1], 0.0, 1.0)
-    y = tf.random.stateless_uniform([BATCH], [0, 2], 0, CLASSES, dtype=tf.int32)
-    steps = {k: M._train_step(m, x, y) for k, m in models.items()}
-    for k in VARIANTS:
-        for _ in range(3):
-            steps[k]()
-    print("tracing %d steps of each variant..." % steps_n, file=sys.stderr)
-    space, wall, _ = T.record(steps, list(VARIANTS), steps_n)
+    _, models = build_variants(name, policy, {
+        "tf_fused": M._build_tf_fused, "ours": M._build_ours, "floor": M._build_floor})
+    space, wall = traced_steps(models, steps_n)
     traced, _ = T.step_ops(space)
     per_type = {k: collections.defaultdict(lambda: [0.0, 0.0]) for k in VARIANTS}
     for st in traced:
