@@ -3,7 +3,7 @@
 Importing the package loads the op library (so SavedModels that use the op can be loaded).
 On a machine without TensorFlow only the framework-free ``fbn_grad_tf.core`` is usable.
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 def _tf_part_available():
     """False on a machine without TensorFlow (e.g. a GPU box with only PyTorch) and for a
