@@ -526,7 +526,7 @@ def test_model_parse():
 
 
 def test_model_converted_column_plugs_in(monkeypatch):
-    """The 'ours conv' column (issue 20's fbn_grad_tf.keras.convert) runs once convert exists:
+    """The 'ours conv' column (fbn_grad_tf.keras.convert) runs once convert exists:
     here a stand-in that swaps the BN layers for ours; its cost is against floor-act, its
     x against ours' BN+act cost (not the BN cost: another floor)."""
     import fbn_grad_tf.keras as fbn_keras

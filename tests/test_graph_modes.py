@@ -48,9 +48,9 @@ def test_eager_function_and_session_agree(dtype, fmt, training):
         outs = call_ours(*phs, fmt=fmt, training=training)
         assert outs.x_backprop.op.type == fbn_grad_tf.FusedBatchNormGrad.OP_NAME
     with tf.compat.v1.Session(graph=g) as sess:
-        session = sess.run(list(outs), feed_dict=dict(zip(phs, inputs)))
+        in_session = sess.run(list(outs), feed_dict=dict(zip(phs, inputs)))
 
-    for name, e, t, s in zip(("dx", "dscale", "doffset", "rs4", "rs5"), eager, traced, session):
+    for name, e, t, s in zip(("dx", "dscale", "doffset", "rs4", "rs5"), eager, traced, in_session):
         assert_bitwise_equal(t, e, "tf.function " + name)
         assert_bitwise_equal(s, e, "Session " + name)
 

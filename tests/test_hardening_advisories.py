@@ -1,9 +1,10 @@
 """Regression tests for advisory-style malformed inputs (SPEC.md sections 4, 7, 9).
 
 TensorFlow's FusedBatchNormGrad* kernels crashed or read out of bounds on malformed inputs
-(an empty `scale` segfaulted, issue #58999; the channel-count checks were the security fixes
-of PRs #49990-49992; validation must still run when x is empty). Every such input is sent to
-our op along every path that reaches the kernel or the core validation:
+(an empty `scale` segfaulted, tensorflow/tensorflow#58999; the channel-count checks were the
+security fixes of tensorflow/tensorflow#49990-49992; validation must still run when x is
+empty). Every such input is sent to our op along every path that reaches the kernel or the
+core validation:
 
   raw_eager         fbn_grad_tf.raw_op, eager (no shape function: the kernel validates)
   raw_fn_dynamic    raw_op in a tf.function whose input_signature has unknown shapes
@@ -73,7 +74,7 @@ def build_cases():
                 add(_case("%s_%s_%s" % (key, tag, "train" if training else "infer"), X,
                           training=training, expect="error", arg=arg, shapes=[shape_str(bad)],
                           **{key: bad}))
-    # the original TF 2.4 segfault (#58999): empty scale, in every data format and dtype
+    # the original TF 2.4 segfault (tensorflow/tensorflow#58999): empty scale, in every data format and dtype
     for fmt, x in (("NCHW", [2, 4, 3, 2]), ("NDHWC", [1, 2, 3, 2, 4]),
                    ("NCDHW", [1, 4, 2, 3, 2])):
         add(_case("empty_scale_" + fmt, x, scale=[0], fmt=fmt, expect="error", arg="scale",

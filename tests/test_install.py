@@ -1,4 +1,4 @@
-"""What users install, tested the way they install it (issue 11).
+"""What users install, tested the way they install it.
 
 * A wheel built from this checkout (``pip wheel --no-build-isolation --no-deps``) is installed
   with pip into a fresh virtual environment, which reuses this environment's TensorFlow

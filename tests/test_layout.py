@@ -1,4 +1,4 @@
-"""README's layout table names the source files that are there, and every one that is (issue 21).
+"""README's layout table names the source files that are there, and every one that is.
 
 Each row of the table whose path is a folder under csrc/ lists that folder's files in
 backticks; `*.cu.cc` stands for the Bazel wrappers of the .cu files. A file added, moved or

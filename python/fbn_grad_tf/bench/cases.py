@@ -23,7 +23,7 @@ MODES = ("training", "inference")
 #: A shape is "large" (well beyond the 32 MiB L3 cache) from this many elements on: the
 #: bandwidth summary uses these.
 LARGE_ELEMENTS = 8_000_000
-#: Mid-size and up (issue 19's 32x14x14x1024 has 6.4M): the --chain bandwidth summary.
+#: Mid-size and up (ResNet-50's 32x14x14x1024 has 6.4M): the --chain bandwidth summary.
 MID_ELEMENTS = 2_000_000
 #: Most links of a --chain: each link multiplies x_backprop by about scale * inv (up to ~3
 #: with the bench's inputs), so float16 would reach inf from about 9 links on.
