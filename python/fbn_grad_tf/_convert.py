@@ -18,7 +18,7 @@ import warnings
 import keras
 
 from . import nn as _nn
-from .keras import BatchNormalization as _FbnBN
+from ._keras_layer import BatchNormalization as _FbnBN
 
 __all__ = ["convert", "ConvertReport"]
 

@@ -1,10 +1,7 @@
-"""``fbn_grad_tf.keras.BatchNormalization``: Keras 3's BatchNormalization with fbn_grad_tf's
-fused forward and backward (and an optional fused activation and side input).
-
-    import fbn_grad_tf
-    layer = fbn_grad_tf.keras.BatchNormalization()      # same arguments as keras.layers.BN
-    bn_relu = fbn_grad_tf.keras.BatchNormalization(activation="relu")  # relu(bn(x)), fused
-    y = fbn_grad_tf.keras.BatchNormalization(activation="swish")(x, side_input=r)  # swish(bn(x)+r)
+"""The layer behind ``fbn_grad_tf.keras.BatchNormalization`` and ``override()``: Keras 3's
+BatchNormalization computed by fbn_grad_tf's fused forward and backward ops (with an optional
+fused activation and side input). Users import it from ``fbn_grad_tf.keras``; ``_convert``
+builds on this module, and this module imports neither.
 
 It subclasses ``keras.layers.BatchNormalization`` (same constructor, weights, variable names,
 get_config and moving-statistics semantics) and replaces the math of ``call`` when it can:
@@ -15,8 +12,10 @@ get_config and moving-statistics semantics) and replaces the math of ``call`` wh
   activation or a side input), backward = our "FbnGrad>FusedBatchNormGradV3" ("...GradEx") op. The
   ``forward_op`` property selects TF's ``FusedBatchNormV3`` forward instead (then the
   gradient is a tf.custom_gradient calling our op, and a ReLU is a separate tf.nn.relu).
-  Inference (training=False) always uses TF's forward op, so that serving exports hold
-  only TF's ops (see docs/DROPIN.md). Moving statistics are updated exactly like Keras 3 does:
+  Inference (training=False) uses TF's own ops only (FusedBatchNormV3 with TF's registered
+  gradient, then the side input and activation), so that serving exports hold only TF's ops
+  and load where fbn_grad_tf is not installed (see docs/DROPIN.md). Moving statistics are
+  updated exactly like Keras 3 does:
   ``moving = moving * momentum + batch_stat * (1 - momentum)`` with the *biased* batch
   variance (what ``ops.moments`` returns). FusedBatchNormV3's output 2 is Bessel-corrected,
   so it is rescaled by (M-1)/M, M = elements per channel (device-independent; the reserve
@@ -32,11 +31,6 @@ op cannot be compiled: the layer keeps the fused forward but uses TF's own Fused
 
 Registered as a Keras serializable ("fbn_grad_tf>BatchNormalization"): ``import fbn_grad_tf``
 before ``keras.models.load_model`` of a .keras file that contains it.
-
-For models that already exist: ``convert(model)`` returns a functional/Sequential model
-rebuilt with this layer (BN+activation fused where the op supports the activation:
-``nn.FUSED_ACTIVATIONS``), and ``override()`` runs every Keras 3 BatchNormalization (and
-tf_keras' fused one) on our ops without touching the model (docs/DROPIN.md §0).
 """
 import contextlib
 import functools
@@ -56,7 +50,7 @@ _FUSED_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
 # fallback of every path below calls it directly.
 _KERAS_CALL = keras.layers.BatchNormalization.call
 
-__all__ = ["BatchNormalization", "convert", "override", "override_enabled", "ConvertReport"]
+__all__ = ["BatchNormalization", "fused_data_format", "override", "override_enabled"]
 
 
 def fused_data_format(layer, input_shape, dtype=None, mask=None):
@@ -110,8 +104,6 @@ def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_gr
     # TF's registered gradient of the forward op (XLA-compilable) instead of ours.
     tf_grad = xla or gradient_op == "tensorflow"
     forward = "tf" if forward_op == "tensorflow" else "ours"
-    act_after = activation if tf_grad else None  # else fused (or nn.py applies it)
-    side_after = side_input if tf_grad else None
 
     if training and layer.trainable:
         empty = tf.constant([], tf.float32)
@@ -120,7 +112,8 @@ def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_gr
                 x=x, scale=gamma, offset=beta, mean=empty, variance=empty,
                 epsilon=layer.epsilon, exponential_avg_factor=1.0,
                 data_format=data_format, is_training=True)
-        else:
+            y = apply_activation(y, activation, side_input)
+        else:  # the activation and side input are fused (or nn.py applies them)
             y, batch_mean, batch_var = _fused_batch_norm_v3(
                 x, gamma, beta, empty, empty, BatchNormParams(
                     epsilon=layer.epsilon, exponential_avg_factor=1.0,
@@ -138,22 +131,18 @@ def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_gr
         layer.moving_variance.assign(
             moving_var * layer.momentum + batch_var * (1.0 - layer.momentum))
     else:
+        # Inference runs TF's own ops only, with TF's registered gradients (no custom
+        # gradient: SavedModel keeps those by default, and ours would make every serving
+        # export, e.g. model.export, need fbn_grad_tf to load). The forward is the same op
+        # either way; only a gradient through a BN in inference mode (a frozen BN while
+        # fine-tuning) is then TF's FusedBatchNormGradV3, an elementwise pass.
         moving_mean = tf.cast(tf.convert_to_tensor(layer.moving_mean), tf.float32)
         moving_var = tf.cast(tf.convert_to_tensor(layer.moving_variance), tf.float32)
-        if tf_grad:
-            y = tf.raw_ops.FusedBatchNormV3(
-                x=x, scale=gamma, offset=beta, mean=moving_mean, variance=moving_var,
-                epsilon=layer.epsilon, exponential_avg_factor=1.0,
-                data_format=data_format, is_training=False)[0]
-        else:
-            # Inference keeps TF's forward op (our backward still computes its
-            # gradient): a serving export (SaveOptions(experimental_custom_gradients=
-            # False)) then holds only TF's ops and loads without fbn_grad_tf.
-            y = _fused_batch_norm_v3(x, gamma, beta, moving_mean, moving_var, BatchNormParams(
-                epsilon=layer.epsilon, exponential_avg_factor=1.0, data_format=data_format,
-                is_training=False, forward="tf", activation=activation,
-                side_input=side_input))[0]
-    y = apply_activation(y, act_after, side_after)
+        y = tf.raw_ops.FusedBatchNormV3(
+            x=x, scale=gamma, offset=beta, mean=moving_mean, variance=moving_var,
+            epsilon=layer.epsilon, exponential_avg_factor=1.0,
+            data_format=data_format, is_training=False)[0]
+        y = apply_activation(y, activation, side_input)
     if y.dtype != layer.compute_dtype:
         y = tf.cast(y, layer.compute_dtype)
     return y
@@ -356,5 +345,3 @@ class override:  # noqa: N801 (used like a function)
         _set_override(self._prev)
         return False
 
-
-from ._convert import ConvertReport, convert  # noqa: E402,F401  (needs BatchNormalization)

@@ -318,8 +318,10 @@ _saved_forward = None
 
 
 def _our_fused_batch_norm_v3(tf_function):
-    """A stand-in for gen_nn_ops.fused_batch_norm_v3 that builds our forward op where it can
-    run (our_forward_available(), float32 statistics, not inside XLA), else TF's."""
+    """A stand-in for gen_nn_ops.fused_batch_norm_v3 that builds our forward op for training
+    where it can run (our_forward_available(), float32 statistics, not inside XLA), else
+    TF's. Inference keeps TF's op, so that serving exports of models traced under the patch
+    (tf_keras under fbn_grad_tf.keras.override()) hold only TF's ops."""
 
     def fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon=0.0001,
                             exponential_avg_factor=1, data_format="NHWC", is_training=True,
@@ -327,7 +329,7 @@ def _our_fused_batch_norm_v3(tf_function):
         kw = dict(epsilon=epsilon, exponential_avg_factor=exponential_avg_factor,
                   data_format=data_format, is_training=is_training, name=name)
         vecs = [tf.convert_to_tensor(v) for v in (scale, offset, mean, variance)]
-        if (our_forward_available() and not _grads.in_xla_context()
+        if (is_training and our_forward_available() and not _grads.in_xla_context()
                 and all(v.dtype == tf.float32 for v in vecs)):
             return _loader.raw_forward_op(x=x, scale=vecs[0], offset=vecs[1], mean=vecs[2],
                                           variance=vecs[3], **kw)
