@@ -37,7 +37,10 @@ keeps working for every public name of the former single module):
 * contestants: our op, TF's, the core, PyTorch, and the --layer steps;
 * runs: run (backward grid, its worker subprocess) and run_layer;
 * report: merge, tables, summaries, plot;
-* models: --model, whole keras.applications models' training steps (see its docstring);
+* models: --model, whole keras.applications models' training steps (see its docstring): the
+  command, with its parts in model_variants (the model and its variants), model_runs
+  (ModelConfig, the timed runs), model_stats (quartiles, bootstrap intervals) and
+  model_report (its tables);
 * trace: --model --trace, the sum of BN op times per step read from a TF profiler trace;
 * cli: the command line (main); __main__ runs it.
 """
