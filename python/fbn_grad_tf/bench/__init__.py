@@ -6,6 +6,8 @@
     python -m fbn_grad_tf.bench --layer            # whole BN layer training step (fwd + bwd)
     python -m fbn_grad_tf.bench --model resnet50   # whole-model training steps (models.py)
     python -m fbn_grad_tf.bench --model resnet50 --trace   # + BN op times from a profiler trace
+    python -m fbn_grad_tf.bench --quick --store    # keep as docs/results/<machine kind>/quick.json
+    python -m fbn_grad_tf.bench report --update-docs   # the docs' tables from the stored runs
 
 What one run does (see docs/BENCHMARK.md):
 
@@ -42,6 +44,9 @@ keeps working for every public name of the former single module):
   (ModelConfig, the timed runs), model_stats (quartiles, bootstrap intervals) and
   model_report (its tables);
 * trace: --model --trace, the sum of BN op times per step read from a TF profiler trace;
+* results: --store, the stored runs docs/results/<machine kind>/<name>.json;
+* results_report: the report command, Markdown tables from the stored runs, the docs'
+  GENERATED blocks and the chart;
 * cli: the command line (main); __main__ runs it.
 """
 from .cases import (  # noqa: F401
@@ -51,7 +56,7 @@ from .cases import (  # noqa: F401
     short_error, numpy_reference)
 from .timing import (  # noqa: F401
     onednn_enabled, backend_name, configure_threads, Progress, measure_bandwidth,
-    time_interleaved, warm_up_and_time)
+    time_interleaved, warm_up_and_time, machine_kind, kind_slug, command_line)
 from .contestants import (  # noqa: F401
     TORCH_MISSING, TORCH_INSTALL_HINT, LAYER_COLUMNS, LAYER_KEYS, LAYER_HEADERS, NEEDS_FORWARD,
     ours_forward_support, layer_ratio_base)
@@ -65,5 +70,9 @@ from .models import (  # noqa: F401
     activations_after_bn, bn_facts, build_model, format_model_block, format_model_summary,
     format_pair, main_model, model_config_from_args, model_names, model_stats, run_models,
     run_one_model, run_pair, selected_variants, summarize_models)
+from .results import (  # noqa: F401
+    RESULTS_DIR, result_name, stored_path, write_results, load_runs)
+from .results_report import (  # noqa: F401
+    blocks, report_text, doc_blocks, replace_blocks, update_docs, main_report)
 from .cli import (  # noqa: F401
     main_layer, build_parser, config_from_args, main)

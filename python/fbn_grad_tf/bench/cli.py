@@ -9,8 +9,8 @@ import tensorflow as tf
 
 from .cases import Config, DTYPES, FORMATS, MAX_CHAIN, MODES, parse_shape, quick_config
 from .timing import (
-    _fmt_duration, _loadavg, _machine_meta, backend_name, configure_threads, measure_bandwidth,
-    onednn_enabled)
+    _fmt_duration, _loadavg, _machine_meta, backend_name, command_line, configure_threads,
+    measure_bandwidth, onednn_enabled)
 from .contestants import LAYER_COLUMNS, LAYER_HEADERS, NEEDS_FORWARD
 from .runs import run, run_layer, run_worker_subprocess
 from .models import (
@@ -18,6 +18,7 @@ from .models import (
 from .report import (
     format_layer_summary, format_layer_table, format_summary, format_table, layer_notes, merge,
     merge_layer, plot, summarize, summarize_layer, torch_header_note)
+from .results import RESULTS_DIR, write_results
 
 
 def main_layer(args, config):
@@ -28,18 +29,23 @@ def main_layer(args, config):
         print("warning: load average %.1f on %d cores: other work is running, the times will "
               "be noisy (see `ps aux`)" % (load_start, os.cpu_count() or 1), file=sys.stderr)
     threads = configure_threads(config.threads)
+    if config.progress:
+        print("measuring memory bandwidth ...", file=sys.stderr, flush=True)
+    bandwidth = measure_bandwidth(threads, mib=args.bandwidth_mib)
     res = run_layer(config)
     rows = merge_layer(res)
     summary = summarize_layer(rows, res["meta"])
     elapsed = time.perf_counter() - t0
     meta = _machine_meta()
     meta.update(res["meta"])
-    meta.update({"intra_op_threads": threads, "elapsed_s": round(elapsed, 1),
-                 "loadavg_1min_start": load_start, "loadavg_1min_end": _loadavg()})
+    meta.update({"intra_op_threads": threads, "bandwidth_gbs": bandwidth["bandwidth"],
+                 "elapsed_s": round(elapsed, 1), "loadavg_1min_start": load_start,
+                 "loadavg_1min_end": _loadavg()})
     base, relu_base = meta["ratio_base"], meta["ratio_base_relu"]
     print("fbn_grad_tf benchmark --layer: %s, %d cores, TF %s (%s), %d intra-op threads, %s; "
-          "ISA %s" % (meta["cpu"], meta["cores"], tf.__version__, meta["tf_backend"], threads,
-                      meta["torch"], meta["fbn_grad_tf_isa"]))
+          "ISA %s; bandwidth %.1f GB/s" % (
+              meta["cpu"], meta["cores"], tf.__version__, meta["tf_backend"], threads,
+              meta["torch"], meta["fbn_grad_tf_isa"], meta["bandwidth_gbs"]))
     if load_start is not None:
         print("load average (1 min) at start %.2f, at end %.2f on %d cores"
               % (load_start, meta["loadavg_1min_end"], meta["cores"]))
@@ -66,9 +72,9 @@ def main_layer(args, config):
             print("  " + n)
     print()
     print("elapsed %s" % _fmt_duration(elapsed))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "summary": summary, "results": rows}, f, indent=1)
+    for path in write_results(args, {"meta": meta, "bandwidth": bandwidth, "summary": summary,
+                                     "results": rows}):
+        print("results written to %s" % path, file=sys.stderr)
     if args.plot:
         print("--plot: not drawn in --layer mode", file=sys.stderr)
     return 0
@@ -112,6 +118,12 @@ def build_parser():
     p.add_argument("--threads", type=int, help="TF intra-op threads (and torch threads, "
                    "and NumPy bandwidth threads); default: TF's default (all cores)")
     p.add_argument("--json", metavar="FILE", help="write machine-readable results")
+    p.add_argument("--store", nargs="?", const=RESULTS_DIR, metavar="DIR",
+                   help="also write the JSON as this run's stored result, "
+                        "DIR/<machine kind>/<name>.json (DIR default %s; name: ops, quick, "
+                        "layer, layer-quick, models-<policy>), replacing the previous run of "
+                        "that name on this kind of machine; `python -m fbn_grad_tf.bench "
+                        "report` makes the docs' tables from them" % RESULTS_DIR)
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of speed-ups (matplotlib)")
     p.add_argument("--bandwidth-mib", type=int, default=256, metavar="MIB",
                    help="array size for the bandwidth measurement (default 256 MiB)")
@@ -202,8 +214,13 @@ def config_from_args(args):
 
 
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:
+        from .results_report import main_report
+        return main_report(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command_line = command_line(argv)
     if args.chain is not None:
         if not 1 <= args.chain <= MAX_CHAIN:
             parser.error("--chain must be between 1 and %d (float16 values grow with each "
@@ -252,7 +269,8 @@ def main(argv=None):
     elapsed = time.perf_counter() - t0
 
     meta = _machine_meta()
-    meta.update({"tf_backend_main": main_backend, "intra_op_threads": threads,
+    meta.update({"mode": "ops", "bandwidth_gbs": bandwidth["bandwidth"],
+                 "tf_backend_main": main_backend, "intra_op_threads": threads,
                  "torch": main_res["meta"]["torch"], "config": config.to_json(),
                  "elapsed_s": round(elapsed, 1), "other_backend_error": other_error,
                  "loadavg_1min_start": load_start, "loadavg_1min_end": _loadavg()})
@@ -295,10 +313,9 @@ def main(argv=None):
             print("  " + n)
     print()
     print("elapsed %s" % _fmt_duration(elapsed))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "bandwidth": bandwidth, "summary": summary,
-                       "results": rows}, f, indent=1)
+    for path in write_results(args, {"meta": meta, "bandwidth": bandwidth, "summary": summary,
+                                     "results": rows}):
+        print("results written to %s" % path, file=sys.stderr)
     if args.plot:
         msg = plot(rows, args.plot, have_torch)
         print(msg if msg else "plot written to %s" % args.plot, file=sys.stderr)

@@ -45,6 +45,7 @@ import time
 
 # The trace module as bench.models._trace, where the tests read it.
 from . import trace as _trace  # noqa: F401
+from .results import write_results
 from .timing import _fmt_duration
 from .model_variants import (  # noqa: F401
     MODEL_VARIANT_KEYS, MODEL_VARIANTS, RATIO_BASE, TINY, ModelVariant, PassThrough, _VARIANTS,
@@ -64,7 +65,6 @@ from .model_report import (  # noqa: F401
 
 def main_model(args):
     """The --model command: header, per-model blocks, summary, pair row; --json."""
-    import json
     from .timing import _loadavg, _machine_meta
     config = model_config_from_args(args)
     t0 = time.perf_counter()
@@ -108,10 +108,9 @@ def main_model(args):
             print("  %s: %s" % (_VARIANTS[k].header if k in _VARIANTS else k, why))
     print()
     print("elapsed %s" % _fmt_duration(elapsed))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "summary": summary, "models": res["models"],
-                       "pair": res["pair"]}, f, indent=1)
+    for path in write_results(args, {"meta": meta, "summary": summary, "models": res["models"],
+                                     "pair": res["pair"]}):
+        print("results written to %s" % path, file=sys.stderr)
     return 0
 
 

@@ -3,6 +3,8 @@ measurement, interleaved timing with warm-up, and the machine description."""
 import datetime
 import os
 import platform
+import re
+import shlex
 import statistics
 import sys
 import threading
@@ -45,6 +47,80 @@ def cpuinfo_field(key):
 
 def _cpu_model():
     return cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def _isa_text(flags):
+    """'AVX-512 BF16/FP16, AMX', 'AVX-512', 'AVX2' or '' from /proc/cpuinfo's flags."""
+    parts = []
+    if "avx512f" in flags:
+        ext = [name for flag, name in (("avx512_bf16", "BF16"), ("avx512_fp16", "FP16"))
+               if flag in flags]
+        parts.append("AVX-512" + (" " + "/".join(ext) if ext else ""))
+    elif "avx2" in flags:
+        parts.append("AVX2")
+    if "amx_tile" in flags:
+        parts.append("AMX")
+    return ", ".join(parts)
+
+
+def _amd_zen(family, model, flags):
+    """The Zen generation of an AMD family/model (cpuinfo's decimal 'cpu family' and 'model'),
+    or None for another family."""
+    if family == 0x17:
+        return "Zen 2" if model >= 0x30 else "Zen"
+    if family == 0x19:  # Zen 3 and Zen 4 share the family; Zen 4 is the one with AVX-512
+        return "Zen 4" if "avx512f" in flags else "Zen 3"
+    if family == 0x1A:
+        return "Zen 5"
+    return None
+
+
+def _int_field(key):
+    try:
+        return int(cpuinfo_field(key))
+    except (TypeError, ValueError):
+        return None
+
+
+def machine_kind(vendor=None, model_name=None, family=None, model=None, flags=None,
+                 machine=None):
+    """A label for the kind of machine a run comes from, from the CPU vendor, family and ISA
+    flags: 'Intel Xeon (AVX-512 BF16/FP16, AMX)', 'AMD EPYC Zen 4', 'x86-64 AVX2', ...
+    Stored runs are grouped by it (kind_slug). Arguments default to this machine's
+    /proc/cpuinfo and platform.machine()."""
+    if vendor is None and model_name is None and flags is None:
+        vendor = cpuinfo_field("vendor_id")
+        model_name = _cpu_model()
+        family, model = _int_field("cpu family"), _int_field("model\t")  # not "model name"
+        flags = set((cpuinfo_field("flags") or "").split())
+    flags = set(flags or ())
+    model_name = model_name or ""
+    machine = machine or platform.machine()
+    isa = _isa_text(flags)
+    if vendor == "GenuineIntel":
+        name = "Intel Xeon" if "Xeon" in model_name else "Intel"
+        return "%s (%s)" % (name, isa) if isa else name
+    if vendor == "AuthenticAMD":
+        name = "AMD EPYC" if "EPYC" in model_name else "AMD"
+        zen = _amd_zen(family if family is not None else -1, model if model is not None else -1,
+                       flags)
+        if zen:
+            return "%s %s" % (name, zen)
+        return "%s (%s)" % (name, isa) if isa else name
+    if machine in ("x86_64", "AMD64"):
+        return ("x86-64 " + isa) if isa else "x86-64"
+    return machine or "unknown"
+
+
+def kind_slug(kind):
+    """A directory name for a machine kind: 'Intel Xeon (AVX-512 BF16/FP16, AMX)' ->
+    'intel-xeon-avx-512-bf16-fp16-amx'."""
+    return re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-") or "unknown"
+
+
+def command_line(argv):
+    """The bench command as typed: 'python -m fbn_grad_tf.bench' and `argv`, shell-quoted."""
+    return " ".join(["python -m fbn_grad_tf.bench"] + [shlex.quote(a) for a in argv])
 
 
 def configure_threads(threads):
@@ -229,17 +305,20 @@ def _loadavg():
 
 
 def _machine_meta():
-    from .. import _build_info
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+    from .. import __version__, _build_info
+    kind = machine_kind()
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpu": _cpu_model(), "cores": os.cpu_count(),
+            "machine_kind": kind, "machine_slug": kind_slug(kind),
             "python": platform.python_version(), "numpy": np.__version__,
-            "tf_version": tf.__version__,
+            "tf_version": tf.__version__, "fbn_grad_tf_version": __version__,
             "fbn_grad_tf_build": {k: getattr(_build_info, k) for k in dir(_build_info)
                                   if k.isupper()}}
     try:
         from .. import core
         meta["fbn_grad_tf_isa"] = core.default_isa() if callable(core.default_isa) \
             else core.default_isa
+        meta["fbn_grad_tf_isa_path"] = meta["fbn_grad_tf_isa"]  # the path alone, without notes
         meta["fbn_grad_tf_prefetch"] = bool(core.software_prefetch())
         # The headers print the ISA string: say there whether the backward prefetches.
         meta["fbn_grad_tf_isa"] += ", software prefetch %s" % (
