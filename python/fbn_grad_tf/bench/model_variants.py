@@ -140,7 +140,7 @@ def _convert_fn():
 
 def _convert_available():
     return None if callable(_convert_fn()) else (
-        "fbn_grad_tf.keras.convert is not in this build (issue 20)")
+        "fbn_grad_tf.keras.convert is not in this build")
 
 
 def _build_converted(model):

@@ -48,14 +48,14 @@ def write_results(args, data):
 
 def load_runs(paths=(RESULTS_DIR,)):
     """The stored runs under `paths` (JSON files, or directories searched recursively for
-    *.json), each a dict with its "meta", sorted by path; runs that are not bench output
-    (no "meta") are left out."""
+    *.json), each a dict with its "meta" and its "path", sorted by path; runs that are not
+    bench output (no "meta") and paths that do not exist are left out."""
     files = []
     for p in paths:
         if os.path.isdir(p):
             for dirpath, _, names in os.walk(p):
                 files += [os.path.join(dirpath, n) for n in names if n.endswith(".json")]
-        else:
+        elif os.path.exists(p):
             files.append(p)
     runs = []
     for path in sorted(files):

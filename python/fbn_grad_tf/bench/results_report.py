@@ -33,10 +33,13 @@ from .results import RESULTS_DIR, load_runs
 #: The variants of the models table, in column order.
 MODEL_COLUMNS = (("keras", "Keras 3"), ("tf_fused", "TF fused"), ("ours_converted", "ours conv"))
 MARKER = re.compile(r"^<!-- (BEGIN|END) GENERATED: (\S+) -->$")
+#: The blocks this report makes are named <prefix><machine kind slug>; blocks of other names
+#: belong to other generators and are left alone.
+BLOCK_PREFIXES = ("models-", "ops-", "layer-")
 DOC_FILES = ("README.md", os.path.join("docs", "*.md"))
 
 
-# ---- formatting --------------------------------------------------------------------------------
+# ---- formatting ----------------------------------------------------------------------------
 
 def _ms(v, fmt="%.1f"):
     return "n/a" if v is None else fmt % v
@@ -76,7 +79,7 @@ def run_line(meta):
     return "Run: " + "; ".join(parts) + "."
 
 
-# ---- the blocks ----------------------------------------------------------------------------------
+# ---- the blocks ----------------------------------------------------------------------------
 
 def _ratio(num, den, meta):
     """median(num) / median(den) with its bootstrap 95% interval (repetitions resampled
@@ -292,16 +295,22 @@ def doc_files(root="."):
     return [p for pattern in DOC_FILES for p in sorted(glob.glob(os.path.join(root, pattern)))]
 
 
+def ours(name):
+    """Whether a GENERATED block of this name is this report's to make."""
+    return name.startswith(BLOCK_PREFIXES)
+
+
 def update_docs(generated, root="."):
-    """Rewrites the GENERATED blocks of README.md and docs/*.md under `root`. Returns
-    (files changed, names placed, names in the docs with nothing generated)."""
+    """Rewrites the GENERATED blocks of README.md and docs/*.md under `root` that `generated`
+    has. Returns (files changed, names placed, names of this report's blocks in the docs with
+    nothing generated)."""
     changed, placed, unknown = [], set(), set()
     for path in doc_files(root):
         with open(path) as f:
             text = f.read()
         new, done, missing = replace_blocks(text, generated)
         placed.update(done)
-        unknown.update(missing)
+        unknown.update(n for n in missing if ours(n))
         if new != text:
             with open(path, "w") as f:
                 f.write(new)
@@ -309,7 +318,7 @@ def update_docs(generated, root="."):
     return changed, placed, unknown
 
 
-# ---- the chart -----------------------------------------------------------------------------------
+# ---- the chart -----------------------------------------------------------------------------
 
 MATPLOTLIB_HINT = "matplotlib is not installed: pip install matplotlib (only --chart needs it)"
 
@@ -355,7 +364,7 @@ def chart(runs, path, kind):
     return None
 
 
-# ---- the command -----------------------------------------------------------------------------------
+# ---- the command ---------------------------------------------------------------------------
 
 def build_report_parser():
     p = argparse.ArgumentParser(
