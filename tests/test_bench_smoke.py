@@ -422,14 +422,24 @@ def test_model_mode_tiny(tmp_path, capsys):
     the floors, ratios, roofline, pair row, JSON. No timing assertions (signs of costs are
     noise on a model this small)."""
     out = tmp_path / "m.json"
-    rc = bench.main(MODEL_TINY + ["--json", str(out)])
+    rc = bench.main(MODEL_TINY + ["--json", str(out), "--store", str(tmp_path / "results")])
     assert rc == 0
     printed = capsys.readouterr().out
     for text in ("tiny  batch 4, 16x16, float32: 3 BN layers (3 on our fused path)",
                  "BN roofline", "Summary", "pair: two independent BN layers", "x BN cost"):
         assert text in printed, text
     data = json.loads(out.read_text())
-    assert data["meta"]["mode"] == "model" and data["meta"]["bandwidth_gbs"] == 20
+    meta = data["meta"]
+    assert meta["mode"] == "model" and meta["bandwidth_gbs"] == 20
+    # what a stored run says about itself (the report's header line), and where it is stored
+    assert meta["command"] == " ".join(["python -m fbn_grad_tf.bench"] + MODEL_TINY + [
+        "--json", str(out), "--store", str(tmp_path / "results")])
+    assert meta["machine_kind"] == bench.machine_kind()
+    assert meta["date"].endswith("+00:00") and meta["fbn_grad_tf_isa_path"]
+    for key in ("cpu", "tf_version", "fbn_grad_tf_version"):
+        assert meta[key], key
+    stored = tmp_path / "results" / meta["machine_slug"] / "models-float32.json"
+    assert json.loads(stored.read_text()) == data
     (res,) = data["models"]
     assert res["bn_layers"] == 3 and res["activations_after_bn"] == 3
     assert res["bn_elements"] == 4 * (16 * 16 * 8 + 8 * 8 * 16 + 4 * 4 * 16)
