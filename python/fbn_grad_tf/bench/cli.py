@@ -100,7 +100,9 @@ def build_parser():
         description="Times fbn_grad_tf's FusedBatchNormGradV3 against TF's built-in op "
                     "(oneDNN and Eigen kernels) and, when importable, PyTorch's; with --layer, "
                     "a whole BN layer training step against TF, Keras and PyTorch; with "
-                    "--model, whole keras.applications models' training steps.")
+                    "--model, whole keras.applications models' training steps. `python -m "
+                    "fbn_grad_tf.bench report` makes Markdown tables from runs stored with "
+                    "--store (see its --help).")
     p.add_argument("--quick", action="store_true",
                    help="~1 minute subset: 2 shapes, float32+bfloat16, fewer reps")
     p.add_argument("--shapes", type=lambda s: tuple(parse_shape(t) for t in s.split(",")),
