@@ -40,6 +40,7 @@ import threading
 import keras
 import tensorflow as tf
 
+from . import _compat
 from . import gradients as _grads
 from .nn import (BatchNormParams, _fused_batch_norm_v3, apply_activation,
                  check_forward_and_activation)
@@ -56,7 +57,7 @@ __all__ = ["BatchNormalization", "fused_data_format", "override", "override_enab
 def fused_data_format(layer, input_shape, dtype=None, mask=None):
     """The data_format the fused path uses for this call of the Keras BatchNormalization
     `layer` (ours or Keras' own), or None (Keras' implementation)."""
-    if mask is not None or layer.renorm or layer.synchronized:
+    if mask is not None or _compat.renorm(layer) or layer.synchronized:
         return None
     if dtype is not None and tf.as_dtype(dtype) not in _FUSED_DTYPES:
         return None
@@ -165,7 +166,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
                  beta_regularizer=None, gamma_regularizer=None, beta_constraint=None,
                  gamma_constraint=None, renorm=False, renorm_clipping=None,
                  renorm_momentum=0.99, synchronized=False, activation=None, **kwargs):
-        super().__init__(
+        super().__init__(**_compat.bn_init_kwargs(dict(
             axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
             beta_initializer=beta_initializer, gamma_initializer=gamma_initializer,
             moving_mean_initializer=moving_mean_initializer,
@@ -173,7 +174,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
             beta_regularizer=beta_regularizer, gamma_regularizer=gamma_regularizer,
             beta_constraint=beta_constraint, gamma_constraint=gamma_constraint,
             renorm=renorm, renorm_clipping=renorm_clipping, renorm_momentum=renorm_momentum,
-            synchronized=synchronized, **kwargs)
+            synchronized=synchronized, **kwargs)))
         # Our op has no XLA kernel: keep Keras' jit_compile="auto" from choosing XLA.
         self.supports_jit = False
         self._gradient_op = "fbn_grad_tf"

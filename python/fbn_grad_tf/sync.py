@@ -38,6 +38,7 @@ import numbers
 import keras
 import tensorflow as tf
 
+from . import _compat
 from . import gradients as _grads
 from ._loader import library
 from .ops import _as_tensor, _check_data_format, _check_epsilon
@@ -388,7 +389,7 @@ def layer_uses_sync_path(layer, inputs, training, mask=None):
     """Whether ``sync_layer_call`` handles this call of a keras.layers.BatchNormalization
     (training, trainable, no mask, no renorm, float16/bfloat16/float32 input); otherwise
     Keras' own ``call`` should run."""
-    return bool(training and layer.trainable and mask is None and not layer.renorm
+    return bool(training and layer.trainable and mask is None and not _compat.renorm(layer)
                 and tf.as_dtype(inputs.dtype) in _T_DTYPES)
 
 
@@ -464,7 +465,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError("implementation must be one of %s, got %r"
                              % (", ".join(IMPLEMENTATIONS), implementation))
-        super().__init__(
+        super().__init__(**_compat.bn_init_kwargs(dict(
             axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
             beta_initializer=beta_initializer, gamma_initializer=gamma_initializer,
             moving_mean_initializer=moving_mean_initializer,
@@ -472,7 +473,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             beta_regularizer=beta_regularizer, gamma_regularizer=gamma_regularizer,
             beta_constraint=beta_constraint, gamma_constraint=gamma_constraint,
             renorm=renorm, renorm_clipping=renorm_clipping, renorm_momentum=renorm_momentum,
-            synchronized=bool(synchronized), **kwargs)
+            synchronized=bool(synchronized), **kwargs)))
         self.implementation = implementation
         # The split ops have no XLA kernels: keep Keras' jit_compile="auto" from picking XLA.
         self.supports_jit = False
