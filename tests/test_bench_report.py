@@ -20,7 +20,8 @@ def _meta(name, command, date="2026-12-06T01:02:03+00:00", **extra):
     meta = {"command": command, "cpu": "Intel(R) Xeon(R) Processor", "cores": 2,
             "machine_kind": KIND, "machine_slug": SLUG, "fbn_grad_tf_isa_path": "avx512bf16",
             "bandwidth_gbs": 30.0, "tf_version": "2.21.0", "fbn_grad_tf_version": "0.2.0",
-            "date": date, "result_name": name}
+            "date": date, "result_name": name, "loadavg_1min_start": 0.52,
+            "loadavg_1min_end": 2.04}
     meta.update(extra)
     return meta
 
@@ -108,7 +109,8 @@ def test_blocks_from_fixtures(stored):
     for h, policy in zip(heads, ("float32", "mixed_bfloat16")):
         for text in ("`python -m fbn_grad_tf.bench --model resnet50 --policy %s --reps 3 "
                      "--trace --store`" % policy, "Intel(R) Xeon(R) Processor, 2 cores", KIND,
-                     "TF 2.21.0", "2026-12-06T01:02:03+00:00", "batch 16, 96x96 images"):
+                     "TF 2.21.0", "2026-12-06T01:02:03+00:00", "batch 16, 96x96 images",
+                     "load average 0.5 at start, 2.0 at end"):
             assert text in h, text
 
     ops = gen["ops-" + SLUG]

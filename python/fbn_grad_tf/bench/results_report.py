@@ -26,6 +26,7 @@ import sys
 
 import numpy as np
 
+from .cases import DTYPES, FORMATS
 from .contestants import LAYER_HEADERS, LAYER_KEYS, _layer_partner
 from .model_stats import _bootstrap_ratio
 from .results import RESULTS_DIR, load_runs
@@ -63,8 +64,8 @@ def _table(head, rows, text_cols=1):
 
 
 def run_line(meta):
-    """The line over a table: the run's command, CPU, machine kind, ISA, bandwidth, TF and
-    fbn_grad_tf versions, date."""
+    """The line over a table: the run's command, CPU, machine kind, ISA, bandwidth, load, TF
+    and fbn_grad_tf versions, date."""
     parts = ["`%s`" % meta["command"] if meta.get("command") else "command not recorded",
              "%s, %s cores" % (meta.get("cpu", "CPU not recorded"), meta.get("cores", "?")),
              meta.get("machine_kind", "machine kind not recorded")]
@@ -72,6 +73,10 @@ def run_line(meta):
         parts.append("our ISA path %s" % meta["fbn_grad_tf_isa_path"])
     if meta.get("bandwidth_gbs"):
         parts.append("bandwidth %.1f GB/s" % meta["bandwidth_gbs"])
+    if meta.get("loadavg_1min_start") is not None and meta.get("loadavg_1min_end") is not None:
+        # other work on the machine during the run (the bench itself adds about 1 per core)
+        parts.append("load average %.1f at start, %.1f at end" % (
+            meta["loadavg_1min_start"], meta["loadavg_1min_end"]))
     parts.append("TF %s" % meta.get("tf_version", "?"))
     if meta.get("fbn_grad_tf_version"):
         parts.append("fbn_grad_tf %s" % meta["fbn_grad_tf_version"])
@@ -151,15 +156,24 @@ def _geomean(vals):
 
 
 def ops_block(run):
-    """The ops-<slug> block's lines: per case (shape, format, dtype) ours ms and TF oneDNN /
-    ours in training and inference, and the geomeans."""
-    cases = {}
+    """The ops-<slug> block's lines: per case (shape, format, dtype; grouped by dtype and
+    format, shapes in the grid's order) ours ms and TF oneDNN / ours in training and
+    inference, and the geomeans."""
+    cases, shape_order = {}, {}
     for r in run["results"]:
-        key = ("x".join(map(str, r["tensor_shape"])), r["format"], r["dtype"])
+        shape_order.setdefault(tuple(r["shape"]), len(shape_order))
+        key = (r["dtype"], r["format"], tuple(r["shape"]))
         cases.setdefault(key, {})[r["mode"]] = r
+    def order(key):
+        dtype, fmt, shape = key
+        return (DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES),
+                FORMATS.index(fmt) if fmt in FORMATS else len(FORMATS), shape_order[shape])
+
     rows, per_mode = [], {"training": [], "inference": []}
-    for key, modes in cases.items():
-        row = list(key)
+    for key in sorted(cases, key=order):
+        modes = cases[key]
+        tensor_shape = next(iter(modes.values()))["tensor_shape"]
+        row = ["x".join(map(str, tensor_shape)), key[1], key[0]]
         for mode in ("training", "inference"):
             r = modes.get(mode) or {}
             row += [_ms(r.get("ours_ms"), "%.3f"), _x(r.get("speedup_onednn"))]
@@ -347,9 +361,9 @@ def chart(runs, path, kind):
         hi = np.array([g[1][k]["q75_ms"] - g[1][k]["median_ms"] if g[1][k] else 0 for g in groups])
         pos = xs + (i - (len(MODEL_COLUMNS) - 1) / 2) * w
         ax.bar(pos, med, w, yerr=[lo, hi], capsize=2, label=header)
-        for x, v in zip(pos, med):
+        for x, v, top in zip(pos, med, med + hi):  # the median over its whisker
             if np.isfinite(v):
-                ax.text(x, v, "%.0f" % v, ha="center", va="bottom", fontsize=7)
+                ax.text(x, top, "%.0f" % v, ha="center", va="bottom", fontsize=7)
     ax.set_xticks(xs)
     ax.set_xticklabels([g[0] for g in groups], fontsize=8)
     ax.set_ylabel("training step, ms (median; whiskers: IQR)")
