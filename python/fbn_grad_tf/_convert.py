@@ -12,7 +12,9 @@ What is fused is what ``fbn_grad_tf.nn.FUSED_ACTIVATIONS`` (and, for the residua
 when the C++ ops learn another activation,
 extending those lists is all convert needs.
 """
+import contextlib
 import dataclasses
+import json
 import warnings
 
 import keras
@@ -20,7 +22,7 @@ import keras
 from . import nn as _nn
 from ._keras_layer import BatchNormalization as _FbnBN
 
-__all__ = ["convert", "ConvertReport"]
+__all__ = ["convert", "revert", "ConvertReport", "FusedIntoBatchNorm"]
 
 # ---- the pattern table ----------------------------------------------------------------------
 
@@ -189,12 +191,187 @@ def _opaque_bn_reason(layer):
     return None
 
 
+# ---- what convert leaves where it removed a layer -------------------------------------------
+
+@keras.saving.register_keras_serializable(package="fbn_grad_tf")
+class FusedIntoBatchNorm(keras.layers.Layer):
+    """Stands where ``convert`` absorbed a layer (an activation, or a residual ``Add``) into
+    the BatchNormalization before it: it passes that BN's fused output through, without an
+    op, and holds the absorbed layer's serialized config, from which ``revert`` restores it.
+
+    Keeping a node for every absorbed layer keeps the converted model's graph, layer list
+    and layer order those of the original: Keras' weight files and tf.train.Checkpoint match
+    variables by the position of their layer, so both pass between a model and its
+    conversion in either direction.
+
+    layer: the absorbed layer, as ``keras.saving.serialize_keras_object`` wrote it.
+    passthrough_index: for a layer called on a list (the Add), the position of the BN's
+    output in that list.
+    """
+
+    def __init__(self, layer, passthrough_index=0, **kwargs):
+        super().__init__(**kwargs)
+        # Kept as JSON text: a dict attribute would be wrapped by Keras' and TF's trackers.
+        self._absorbed_json = json.dumps(layer)
+        self.passthrough_index = int(passthrough_index)
+
+    @classmethod
+    def standing_for(cls, layer, passthrough_index=0):
+        return cls(keras.saving.serialize_keras_object(layer), passthrough_index,
+                   name=layer.name, dtype=layer.dtype_policy.name, trainable=layer.trainable)
+
+    @property
+    def absorbed_config(self):
+        """The absorbed layer's serialized config (a new dict each time)."""
+        return json.loads(self._absorbed_json)
+
+    def restore(self):
+        """A new instance of the absorbed layer (same class, name and config)."""
+        return keras.saving.deserialize_keras_object(self.absorbed_config)
+
+    def _passed(self, inputs):
+        if isinstance(inputs, (list, tuple)):
+            return inputs[self.passthrough_index]
+        return inputs
+
+    def call(self, inputs):
+        return self._passed(inputs)
+
+    def compute_output_spec(self, inputs):
+        x = self._passed(inputs)
+        return keras.KerasTensor(x.shape, dtype=x.dtype)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(layer=self.absorbed_config, passthrough_index=self.passthrough_index)
+        return config
+
+
+# ---- name scopes --------------------------------------------------------------------------
+
+_name_scope = getattr(keras, "name_scope", None)
+if _name_scope is None:  # older Keras 3 releases export it only from the backend
+    from keras.src.backend import name_scope as _name_scope
+
+
+def _scope_parts(layer):
+    """The name scopes `layer` was built under, as Keras wrote them into its variables'
+    paths ("normal_A_block_0/adjust_block/adjust_bn_0/gamma" -> ["normal_A_block_0",
+    "adjust_block"]); [] for a layer without variables."""
+    for w in getattr(layer, "weights", None) or ():
+        parts = str(getattr(w, "path", "")).split("/")[:-1]
+        if layer.name in parts:
+            return parts[:len(parts) - 1 - parts[::-1].index(layer.name)]
+        return []
+    return []
+
+
+@contextlib.contextmanager
+def _scoped_like(layer):
+    """Builds a layer under the name scopes `layer` was built under, so that a re-created
+    layer's variables get the original's paths."""
+    with contextlib.ExitStack() as stack:
+        for part in _scope_parts(layer):
+            stack.enter_context(_name_scope(part))
+        yield
+
+
+# ---- the graph walk (shared by convert and revert) ------------------------------------------
+
+def _node_list(model):
+    by_depth = model._nodes_by_depth  # pylint: disable=protected-access
+    return [n for d in sorted(by_depth, reverse=True) for n in by_depth[d]]
+
+
+def _consumers(nodes):
+    consumers = {}
+    for n in nodes:
+        if not n.is_input:
+            for t in n.input_tensors:
+                consumers.setdefault(id(t), []).append(n)
+    return consumers
+
+
+def _producer(tensor):
+    op, node_index, _ = tensor._keras_history  # pylint: disable=protected-access
+    return op._inbound_nodes[node_index]  # pylint: disable=protected-access
+
+
+def _operation_names(model):
+    """The names of `model`'s layers (and operations) in the order Keras keeps them: the
+    order by which weight files and tf.train.Checkpoint find their variables."""
+    ops = getattr(model, "_operations", None)
+    return [op.name for op in (model.layers if ops is None else ops)]
+
+
+def _rebuild_functional(model, call_node, who):
+    """A functional model with `model`'s inputs, outputs and name, whose nodes are made by
+    call_node(node, tensors) -> the node's new outputs, or None while a tensor it needs is
+    not made yet (tensors: id(old KerasTensor) -> new one). Nodes are made in the original's
+    order where they can be; a node that needs a tensor made later (a fused BN's side
+    input) waits for it."""
+    tensors, new_inputs = {}, []
+    for x in model.inputs:
+        inp_layer = x._keras_history.operation  # pylint: disable=protected-access
+        new = keras.Input(batch_shape=x.shape, dtype=x.dtype, sparse=getattr(x, "sparse", False),
+                          name=inp_layer.name)
+        tensors[id(x)] = new
+        new_inputs.append(new)
+    pending = [n for n in _node_list(model) if not n.is_input and n.operation is not None]
+    while pending:
+        waiting = []
+        for n in pending:
+            outs = call_node(n, tensors)
+            if outs is None:
+                waiting.append(n)
+                continue
+            for old, new in zip(n.outputs, keras.tree.flatten(outs)):
+                tensors[id(old)] = new
+        if len(waiting) == len(pending):
+            break  # not computable from the inputs (as in Keras' own graph walk)
+        pending = waiting
+    missing = [t for t in model.outputs if id(t) not in tensors]
+    if missing:
+        raise ValueError("%s: output(s) %s of model %r are not connected to its inputs"
+                         % (who, [t.name for t in missing], model.name))
+    struct_in = keras.tree.pack_sequence_as(model._inputs_struct, new_inputs)  # pylint: disable=protected-access
+    struct_out = keras.tree.pack_sequence_as(
+        model._outputs_struct, [tensors[id(t)] for t in model.outputs])  # pylint: disable=protected-access
+    if type(model) is not _functional_class():  # pylint: disable=unidiomatic-typecheck
+        warnings.warn("%s: %r is a %s (a keras.Model subclass built functionally); the new "
+                      "model is a plain functional keras.Model without that class's methods"
+                      % (who, model.name, type(model).__name__), RuntimeWarning, stacklevel=4)
+    return keras.Model(struct_in, struct_out, name=model.name, trainable=model.trainable)
+
+
+def _ready(tensors, needed):
+    return all(id(t) in tensors for t in needed)
+
+
+# ---- convert ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Fusion:
+    """A planned fusion: the BN node computes act(bn(x) [+ other]); the chain's nodes become
+    FusedIntoBatchNorm layers."""
+    pattern: _Pattern
+    activation: str
+    chain: list
+    other: object = None        # the residual Add's other input (a KerasTensor), or None
+    add_index: int = 0          # where the BN's output sits among the Add's inputs
+
+
+_ORDER_REASON = ("fusing it would change the order of the model's layers, by which weight "
+                 "files and tf.train.Checkpoint match variables")
+
+
 class _Converter:
     def __init__(self, fuse, synchronized):
         self.fuse = fuse
         self.synchronized = synchronized
         self.report = ConvertReport()
-        self.pairs = []  # (old layer, new layer) whose weights are copied
+        self.pairs = []         # (old layer, new layer) whose weights are copied
+        self.absorbed = {}      # id(old layer) -> passthrough index: becomes FusedIntoBatchNorm
 
     # -- layers ---------------------------------------------------------------------------
 
@@ -215,6 +392,8 @@ class _Converter:
         return new
 
     def clone(self, layer):
+        if id(layer) in self.absorbed:
+            return FusedIntoBatchNorm.standing_for(layer, self.absorbed[id(layer)])
         if isinstance(layer, keras.Model) and not isinstance(layer, _FbnBN):
             sub, sub_report = _convert(layer, self.fuse, self.synchronized)
             self.report.merge(sub_report, layer.name + "/")
@@ -226,26 +405,16 @@ class _Converter:
             self.report.not_converted.append(
                 (layer.name, reason + ": convert cannot rewrite it (it keeps Keras' "
                  "implementation); create the model under fbn_grad_tf.keras.override()"))
-        try:
-            new = layer.__class__.from_config(layer.get_config())
-        except Exception as e:  # pylint: disable=broad-except
-            self.report.shared.append(
-                (layer.name, "cannot be re-created from its config (%s: %s)"
-                 % (type(e).__name__, e)))
-            return layer
-        self.pairs.append((layer, new))
-        return new
+        return _clone_layer(layer, self.pairs, self.report.shared)
 
     def copy_weights(self):
-        for old, new in self.pairs:
-            if getattr(old, "weights", None):  # keras.ops operations have none
-                new.set_weights(old.get_weights())
+        _copy_weights(self.pairs)
 
     # -- fusion ---------------------------------------------------------------------------
 
-    def match(self, bn, chain_nodes, consumers, outputs, node_count):
-        """For a BN node whose layer is fusable at all, the (pattern, activation, nodes after
-        the BN, reason) of the pattern it starts, or None if it starts none."""
+    def match(self, bn, consumers, outputs, node_count):
+        """For a BN node, the (_Fusion, reason) of the pattern it starts (reason None: it
+        can be fused), or None if it starts none."""
         layer = bn.operation
         out = bn.outputs[0] if len(bn.outputs) == 1 else None
         if out is None:
@@ -255,7 +424,7 @@ class _Converter:
             return None
         first = nxt[0]
         act, why = _activation_of(first.operation)
-        pattern, chain = _BN_ACT, [first]
+        fusion = _Fusion(_BN_ACT, act, [first])
         if act is None and why is None:
             if not (type(first.operation) is keras.layers.Add  # noqa: E721
                     and len(first.input_tensors) == 2 and len(first.outputs) == 1):
@@ -267,115 +436,154 @@ class _Converter:
             act, why = _activation_of(after[0].operation)
             if act is None and why is None:
                 return None
-            pattern, chain = _BN_ADD_ACT, [first, after[0]]
+            index = [t is out for t in first.input_tensors].index(True)
+            fusion = _Fusion(_BN_ADD_ACT, act, [first, after[0]],
+                             other=first.input_tensors[1 - index], add_index=index)
         reason = why
         if reason is None:
+            pattern = fusion.pattern
             if id(out) in outputs:
                 reason = "the BN output is also a model output"
             elif isinstance(layer, _FbnBN) and layer.activation is not None:
                 reason = "the layer already applies activation %r" % layer.activation
-            elif any(node_count[id(n.operation)] != 1 for n in [bn] + chain):
+            elif any(node_count[id(n.operation)] != 1 for n in [bn] + fusion.chain):
                 reason = "a layer of the pattern is called more than once (shared layer)"
             elif any(n.operation.dtype_policy.name != layer.dtype_policy.name
-                     for n in chain):
+                     for n in fusion.chain):
                 reason = "the layers have different dtype policies"
-            elif any(id(n) in chain_nodes for n in chain):
-                reason = "the Add is already fused with its other input's BN"
             elif pattern.side_input and act not in pattern.supported():
                 reason = ("side input (residual Add, then %s) not supported by the fused "
                           "op yet" % act)
             elif act not in pattern.supported():
                 reason = "activation %s not supported by the fused op yet" % act
-        return pattern, act, chain, reason
+        return fusion, reason
 
-
-def _node_list(model):
-    by_depth = model._nodes_by_depth  # pylint: disable=protected-access
-    return [n for d in sorted(by_depth, reverse=True) for n in by_depth[d]]
-
-
-def _convert_functional(model, conv):
-    nodes = _node_list(model)
-    consumers, node_count = {}, {}
-    for n in nodes:
-        if n.operation is not None:
-            node_count[id(n.operation)] = node_count.get(id(n.operation), 0) + 1
-        if n.is_input:
-            continue
-        for t in n.input_tensors:
-            consumers.setdefault(id(t), []).append(n)
-    outputs = {id(t) for t in model.outputs}
-
-    # Fusion plan: BN node -> (activation, nodes absorbed); the chain's last node computes it.
-    last_of_chain, absorbed = {}, set()
-    if conv.fuse:
+    def plan(self, nodes, consumers, outputs, held_back):
+        """The fusions to make: id(BN node) -> _Fusion; reports the others with the reason.
+        held_back: id(BN node or residual Add node) -> reason, fusions not to make."""
+        node_count = {}
+        for n in nodes:
+            if n.operation is not None:
+                node_count[id(n.operation)] = node_count.get(id(n.operation), 0) + 1
+        found = []
         for n in nodes:
             if n.is_input or not (_is_keras_bn(n.operation) or isinstance(n.operation, _FbnBN)):
                 continue
-            found = conv.match(n, absorbed, consumers, outputs, node_count)
-            if found is None:
-                continue
-            pattern, act, chain, reason = found
-            removed = [c.operation.name for c in chain]
+            m = self.match(n, consumers, outputs, node_count)
+            if m is not None:
+                fusion, reason = m
+                if reason is None:  # held back: by its BN node, or by its residual Add
+                    reason = held_back.get(id(n), held_back.get(id(fusion.chain[0])))
+                found.append((n, fusion, reason))
+        # A residual Add fed by two fusable BNs: the BN of the Add's later input takes it, so
+        # that the side-input edge to the fused BN comes from the branch Keras orders first.
+        claimed = {}
+        for n, fusion, reason in found:
+            if reason is None and fusion.pattern.side_input:
+                add = id(fusion.chain[0])
+                if add not in claimed or fusion.add_index > claimed[add][1]:
+                    claimed[add] = (id(n), fusion.add_index)
+        fusions = {}
+        for n, fusion, reason in found:
+            if (reason is None and fusion.pattern.side_input
+                    and claimed[id(fusion.chain[0])][0] != id(n)):
+                reason = "the Add is already fused with its other input's BN"
+            removed = [c.operation.name for c in fusion.chain]
             if reason is not None:
-                conv.report.not_fused.append(
-                    (n.operation.name, pattern.name + ": " + " + ".join(removed), reason))
+                self.report.not_fused.append(
+                    (n.operation.name, fusion.pattern.name + ": " + " + ".join(removed), reason))
                 continue
-            absorbed.update(id(c) for c in [n] + chain[:-1])
-            last_of_chain[id(chain[-1])] = (n, pattern, act, chain)
-            conv.report.fused.append((n.operation.name, removed, act))
+            fusions[id(n)] = fusion
+            for c in fusion.chain:
+                self.absorbed[id(c.operation)] = (fusion.add_index if c is fusion.chain[0]
+                                                  and fusion.pattern.side_input else 0)
+            self.report.fused.append((n.operation.name, removed, fusion.activation))
+        return fusions
 
-    new_layers = {}  # id(old layer) -> new layer (shared layers stay shared)
 
-    def new_layer(layer):
-        if id(layer) not in new_layers:
-            new_layers[id(layer)] = conv.clone(layer)
-        return new_layers[id(layer)]
+def _clone_layer(layer, pairs, shared):
+    """`layer` re-created from its config (its weights copied later), or the layer itself
+    (reported in `shared`) if its config cannot re-create it."""
+    try:
+        new = layer.__class__.from_config(layer.get_config())
+    except Exception as e:  # pylint: disable=broad-except
+        shared.append((layer.name, "cannot be re-created from its config (%s: %s)"
+                       % (type(e).__name__, e)))
+        return layer
+    pairs.append((layer, new))
+    return new
 
-    tensors = {}
-    new_inputs = []
-    for x in model.inputs:
-        inp_layer = x._keras_history.operation  # pylint: disable=protected-access
-        new = keras.Input(batch_shape=x.shape, dtype=x.dtype, sparse=getattr(x, "sparse", False),
-                          name=inp_layer.name)
-        tensors[id(x)] = new
-        new_inputs.append(new)
-    for n in nodes:
-        if n.is_input or n.operation is None or id(n) in absorbed:
-            continue
-        if id(n) in last_of_chain:
-            bn, pattern, act, chain = last_of_chain[id(n)]
-            args, kwargs = bn.arguments.fill_in(tensors)
-            if pattern.side_input:  # y = act(bn(x) + other): the Add's other input
-                add = chain[0]
-                other = [t for t in add.input_tensors if t is not bn.outputs[0]]
-                kwargs["side_input"] = tensors[id(other[0])]
-            layer = conv.new_bn(bn.operation, activation=act)
-            new_layers[id(bn.operation)] = layer
-            outs = layer(*args, **kwargs)
-        else:
-            if any(id(t) not in tensors for t in n.input_tensors):
-                continue  # not computable from the inputs (as in Keras' own graph walk)
+
+def _copy_weights(pairs):
+    for old, new in pairs:
+        if getattr(old, "weights", None):  # keras.ops operations have none
+            new.set_weights(old.get_weights())
+
+
+def _held_back(fusions):
+    """id(BN node) and id(residual Add node) -> reason, for every fusion in `fusions`."""
+    held = {bn: _ORDER_REASON for bn in fusions}
+    held.update({id(f.chain[0]): _ORDER_REASON for f in fusions.values() if f.other is not None})
+    return held
+
+
+def _depth_raising(model, fusions):
+    """The residual fusions whose side-input edge makes the other input's producer deeper
+    than in the original, so that Keras may order the model's layers otherwise (as in
+    ResNet50's first block of each stage, where both inputs of the Add are BNs): their
+    residual Add node ids -> reason."""
+    depth = {id(n): d for d, ns in model._nodes_by_depth.items() for n in ns}  # pylint: disable=protected-access
+    return {id(f.chain[0]): _ORDER_REASON for bn, f in fusions.items()
+            if f.other is not None and depth.get(id(_producer(f.other)), 0)
+            <= depth.get(bn, 0)}
+
+
+def _convert_functional(model, fuse, synchronized):
+    """(new model, converter). Fusions that would change the order of the layers are held
+    back: the model is built again without them."""
+    nodes = _node_list(model)
+    consumers = _consumers(nodes)
+    outputs = {id(t) for t in model.outputs}
+    held_back, first_fusions = {}, {}
+    for attempt in ("all fusions", "without depth-raising residual fusions", "no fusion"):
+        conv = _Converter(fuse, synchronized)
+        fusions = conv.plan(nodes, consumers, outputs, held_back) if fuse else {}
+        first_fusions = first_fusions or fusions
+        new_layers = {}
+
+        def call_node(n, tensors, conv=conv, fusions=fusions, new_layers=new_layers):
+            fusion = fusions.get(id(n))
+            extra = [fusion.other] if fusion is not None and fusion.other is not None else []
+            if not _ready(tensors, list(n.input_tensors) + extra):
+                return None
             args, kwargs = n.arguments.fill_in(tensors)
-            outs = new_layer(n.operation)(*args, **kwargs)
-        for old, new in zip(n.outputs, keras.tree.flatten(outs)):
-            tensors[id(old)] = new
-    missing = [t for t in model.outputs if id(t) not in tensors]
-    if missing:
-        raise ValueError("fbn_grad_tf.keras.convert: output(s) %s of model %r are not "
-                         "connected to its inputs" % ([t.name for t in missing], model.name))
-    struct_in = keras.tree.pack_sequence_as(model._inputs_struct, new_inputs)  # pylint: disable=protected-access
-    struct_out = keras.tree.pack_sequence_as(
-        model._outputs_struct, [tensors[id(t)] for t in model.outputs])  # pylint: disable=protected-access
-    if type(model) is not _functional_class():  # pylint: disable=unidiomatic-typecheck
-        warnings.warn("fbn_grad_tf.keras.convert: %r is a %s (a keras.Model subclass built "
-                      "functionally); the converted model is a plain functional keras.Model "
-                      "without that class's methods" % (model.name, type(model).__name__),
-                      RuntimeWarning, stacklevel=3)
-    return keras.Model(struct_in, struct_out, name=model.name, trainable=model.trainable)
+            if fusion is not None:
+                if fusion.other is not None:
+                    kwargs["side_input"] = tensors[id(fusion.other)]
+                layer = conv.new_bn(n.operation, activation=fusion.activation)
+                new_layers[id(n.operation)] = layer
+            else:
+                if id(n.operation) not in new_layers:  # shared layers stay shared
+                    new_layers[id(n.operation)] = conv.clone(n.operation)
+                layer = new_layers[id(n.operation)]
+            with _scoped_like(n.operation):
+                return layer(*args, **kwargs)
+
+        new = _rebuild_functional(model, call_node, "fbn_grad_tf.keras.convert")
+        if not fusions or _operation_names(new) == _operation_names(model):
+            break
+        # Held back next: the residual fusions that make a node deeper, then every fusion.
+        held_back = ((attempt == "all fusions" and _depth_raising(model, fusions))
+                     or _held_back(first_fusions))
+    else:
+        warnings.warn("fbn_grad_tf.keras.convert: the layers of %r could not be kept in the "
+                      "original's order: its weight files and checkpoints will not load into "
+                      "the converted model" % model.name, RuntimeWarning, stacklevel=3)
+    return new, conv
 
 
-def _convert_sequential(model, conv):
+def _convert_sequential(model, fuse, synchronized):
+    conv = _Converter(fuse, synchronized)
     old = list(model.layers)
     new_list, i = [], 0
     while i < len(old):
@@ -395,19 +603,23 @@ def _convert_sequential(model, conv):
                 pat = "%s: %s" % (_BN_ACT.name, nxt.name)
                 if reason is None:
                     new_list.append(conv.new_bn(layer, activation=act))
+                    new_list.append(FusedIntoBatchNorm.standing_for(nxt))
                     conv.report.fused.append((layer.name, [nxt.name], act))
                     i += 2
                     continue
                 conv.report.not_fused.append((layer.name, pat, reason))
         new_list.append(conv.clone(layer))
         i += 1
+    return _sequential_like(model, new_list, "fbn_grad_tf.keras.convert"), conv
+
+
+def _sequential_like(model, new_list, who):
     inputs = []
     if model.built:
         if getattr(model, "_functional", None) is None:
             raise ValueError(
-                "fbn_grad_tf.keras.convert: Sequential model %r is built but has no input "
-                "graph; give it a keras.Input first (or convert it before building it)"
-                % model.name)
+                "%s: Sequential model %r is built but has no input graph; give it a "
+                "keras.Input first (or call it before building it)" % (who, model.name))
         x = model.inputs[0]
         inputs = [keras.Input(batch_shape=x.shape, dtype=x.dtype,
                               name=x._keras_history.operation.name)]  # pylint: disable=protected-access
@@ -416,12 +628,11 @@ def _convert_sequential(model, conv):
 
 def _convert(model, fuse, synchronized):
     kind = _model_kind(model)
-    conv = _Converter(fuse, synchronized)
-    conv.report.model = model.name
     if kind == "functional":
-        new = _convert_functional(model, conv)
+        new, conv = _convert_functional(model, fuse, synchronized)
     else:
-        new = _convert_sequential(model, conv)
+        new, conv = _convert_sequential(model, fuse, synchronized)
+    conv.report.model = model.name
     conv.copy_weights()
     return new, conv.report
 
@@ -432,17 +643,22 @@ def convert(model, fuse=True, synchronized=False, verbose=False, return_report=F
     (our forward and backward ops).
 
     Every layer is re-created from its config and gets the original's weights (BN moving
-    statistics included), with the same names; the model is not compiled (compile the new
-    one). The original model is not modified. Nested functional/Sequential models are
-    converted too.
+    statistics included), with the same names, the same name scopes (so the same variable
+    paths) and the same order; the model is not compiled (compile the new one). Weight
+    files (``save_weights``/``load_weights``) and ``tf.train.Checkpoint`` pass between the
+    original and the converted model both ways. The original model is not modified. Nested
+    functional/Sequential models are converted too. ``revert`` undoes it.
 
     fuse: where a BN's only consumer is an activation layer (``Activation("relu" | "relu6" |
       "swish" | "silu")``, ``ReLU()``, ``ReLU(max_value=6)``), or a 2-input ``Add`` followed
       by one (a residual connection), and our fused op supports that activation
       (``fbn_grad_tf.nn.FUSED_ACTIVATIONS``: "relu", "relu6", "swish"; with a side input for
-      the residual pattern), the BN becomes
-      ``BatchNormalization(activation=...)`` and the activation layer disappears (same
-      outputs). Matched patterns that are not fused are listed in the report with the reason.
+      the residual pattern), the BN becomes ``BatchNormalization(activation=...)``, called
+      with the Add's other input as ``side_input``, and the absorbed layers become
+      ``FusedIntoBatchNorm`` layers of the same names (pass-throughs, no op; they hold the
+      absorbed layers' configs). Same outputs. Matched patterns that are not fused are
+      listed in the report with the reason (one is: fusing would change the order of the
+      layers).
     synchronized: the BN layers become cross-replica ones (``synchronized=True``, see
       docs/SYNC.md).
     verbose: print the report.
@@ -465,3 +681,127 @@ def convert(model, fuse=True, synchronized=False, verbose=False, return_report=F
     if verbose:
         print(report)
     return (new, report) if return_report else new
+
+
+# ---- revert -----------------------------------------------------------------------------------
+
+def _is_our_bn(layer):
+    return (isinstance(layer, keras.layers.BatchNormalization)
+            and type(layer).__module__.startswith("fbn_grad_tf"))
+
+
+class _Reverter:
+    def __init__(self, taken_names):
+        self.pairs = []
+        self.shared = []
+        self.taken = set(taken_names)
+
+    def unique(self, name):
+        """`name`, or `name`_1, _2, ... if a layer of the model has it."""
+        new, i = name, 0
+        while new in self.taken:
+            i += 1
+            new = "%s_%d" % (name, i)
+        self.taken.add(new)
+        return new
+
+    def keras_bn(self, layer):
+        cfg = layer.get_config()
+        cfg.pop("activation", None)
+        cfg.pop("implementation", None)  # SyncBatchNormalization's choice of kernels
+        new = keras.layers.BatchNormalization.from_config(cfg)
+        self.pairs.append((layer, new))
+        return new
+
+    def clone(self, layer):
+        if isinstance(layer, FusedIntoBatchNorm):
+            return layer.restore()
+        if _is_our_bn(layer):
+            return self.keras_bn(layer)
+        if isinstance(layer, keras.Model):
+            return _revert(layer)
+        return _clone_layer(layer, self.pairs, self.shared)
+
+    def unfused_tail(self, bn, y, side_input):
+        """The layers a BN's own activation / side input stand for where no
+        FusedIntoBatchNorm follows it (a layer built with activation=...): Add, Activation."""
+        if side_input is not None:
+            y = keras.layers.Add(name=self.unique(bn.name + "_add"))([y, side_input])
+        if getattr(bn, "activation", None) is not None:
+            y = keras.layers.Activation(
+                bn.activation, name=self.unique(bn.name + "_" + bn.activation))(y)
+        return y
+
+
+def _revert_functional(model):
+    nodes = _node_list(model)
+    consumers = _consumers(nodes)
+    rev = _Reverter(layer.name for layer in model.layers)
+    new_layers = {}
+
+    def call_node(n, tensors):
+        if not _ready(tensors, n.input_tensors):
+            return None
+        args, kwargs = n.arguments.fill_in(tensors)
+        layer = n.operation
+        side_input = kwargs.pop("side_input", None) if _is_our_bn(layer) else None
+        if id(layer) not in new_layers:
+            new_layers[id(layer)] = rev.clone(layer)
+        with _scoped_like(layer):
+            y = new_layers[id(layer)](*args, **kwargs)
+        if _is_our_bn(layer):
+            after = consumers.get(id(n.outputs[0]), [])
+            if not (len(after) == 1 and isinstance(after[0].operation, FusedIntoBatchNorm)):
+                y = rev.unfused_tail(layer, y, side_input)
+        return y
+
+    return _rebuild_functional(model, call_node, "fbn_grad_tf.keras.revert"), rev
+
+
+def _revert_sequential(model):
+    rev = _Reverter(layer.name for layer in model.layers)
+    old = list(model.layers)
+    new_list = []
+    for i, layer in enumerate(old):
+        new_list.append(rev.clone(layer))
+        if _is_our_bn(layer) and getattr(layer, "activation", None) is not None:
+            nxt = old[i + 1] if i + 1 < len(old) else None
+            if not isinstance(nxt, FusedIntoBatchNorm):
+                new_list.append(keras.layers.Activation(
+                    layer.activation, name=rev.unique(layer.name + "_" + layer.activation)))
+    return _sequential_like(model, new_list, "fbn_grad_tf.keras.revert"), rev
+
+
+def _revert(model):
+    if _model_kind(model) == "functional":
+        new, rev = _revert_functional(model)
+    else:
+        new, rev = _revert_sequential(model)
+    _copy_weights(rev.pairs)
+    if rev.shared:
+        warnings.warn("fbn_grad_tf.keras.revert: layer(s) shared with the given model (they "
+                      "cannot be re-created from their config): %s" % "; ".join(
+                          "%s: %s" % item for item in rev.shared), RuntimeWarning, stacklevel=3)
+    return new
+
+
+def revert(model):
+    """The inverse of ``convert``: a copy of `model` with stock Keras layers only.
+
+    Each fbn_grad_tf BatchNormalization (and SyncBatchNormalization) becomes a
+    ``keras.layers.BatchNormalization`` with the same config and weights (moving statistics
+    included); each ``FusedIntoBatchNorm`` becomes the layer it stands for (the activation,
+    the residual ``Add``: same name and config), so ``revert(convert(m))`` has ``m``'s
+    structure, layer order, variable paths and outputs. A BN built with ``activation=`` (or
+    called with ``side_input=``) outside ``convert`` gets an ``Add`` and an ``Activation``
+    layer after it, named after the BN. Every other layer is re-created from its config with
+    its weights; nested models are reverted too; the given model is not modified.
+
+    The result needs nothing of fbn_grad_tf: it saves, exports and converts (TFLite, ONNX
+    exporters) as any Keras model. Functional and Sequential models only (a subclassed
+    model is its own code: it has no converted form).
+    """
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError("fbn_grad_tf.keras.revert needs Keras' TensorFlow backend, got %r"
+                           % keras.backend.backend())
+    return _revert(model)

@@ -16,6 +16,7 @@ _keras_layer). See docs/DROPIN.md for how each fits a training and deployment wo
 """
 from ._keras_layer import (  # noqa: F401
     BatchNormalization, fused_data_format, override, override_enabled)
-from ._convert import ConvertReport, convert  # noqa: F401
+from ._convert import ConvertReport, FusedIntoBatchNorm, convert, revert  # noqa: F401
 
-__all__ = ["BatchNormalization", "ConvertReport", "convert", "override", "override_enabled"]
+__all__ = ["BatchNormalization", "ConvertReport", "FusedIntoBatchNorm", "convert", "override",
+           "override_enabled", "revert"]
