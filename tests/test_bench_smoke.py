@@ -5,6 +5,7 @@ variants of a real keras.applications model, cloned, not run); --model --trace's
 trace on the tiny CNN and its XSpace reading on a made-up trace. No timing assertions."""
 import json
 import math
+import os
 
 import pytest
 
@@ -688,3 +689,36 @@ def test_trace_parsing():
         assert tr.BN_KERNEL_TYPE.match(t), t
     for t in ("Mul", "FusedBatchNormish", "BatchNorm"):
         assert not tr.BN_KERNEL_TYPE.match(t), t
+
+
+def user_cnn():
+    """A model of a user's (for --model package.module:factory): non-square input, 5 classes."""
+    import keras
+    L = keras.layers
+    inp = keras.Input((12, 20, 3))
+    h = L.ReLU()(L.BatchNormalization()(L.Conv2D(8, 3, padding="same")(inp)))
+    h = L.BatchNormalization()(L.Conv2D(8, 3, strides=2, padding="same")(h))
+    return keras.Model(inp, L.Dense(5)(L.GlobalAveragePooling2D()(h)), name="user_cnn")
+
+
+@pytest.mark.parametrize("kind", ["factory", "file"])
+def test_model_mode_on_a_users_model(kind, tmp_path, monkeypatch, capsys):
+    """--model takes a model of the user's, as a .keras file or a module:factory: built
+    from it with its own input shape and classes, converted and compared the same way."""
+    if kind == "factory":
+        monkeypatch.syspath_prepend(os.path.dirname(os.path.abspath(__file__)))
+        spec = "test_bench_smoke:user_cnn"
+    else:
+        spec = str(tmp_path / "user.keras")
+        user_cnn().save(spec)
+    out = tmp_path / "u.json"
+    args = ["--model", spec] + MODEL_TINY[2:] + ["--json", str(out)]
+    assert bench.main(args) == 0
+    assert "%s  batch 4, 12x20x3, float32: 2 BN layers" % spec in capsys.readouterr().out
+    (res,) = json.loads(out.read_text())["models"]
+    assert res["input"] == "12x20x3" and res["bn_layers"] == 2
+    assert res["bn_elements"] == 4 * (12 * 20 * 8 + 6 * 10 * 8)
+    assert set(res["variants"]) >= {"keras", "tf_fused", "ours", "floor"}
+    assert all(r <= 1e-3 for r in res["loss_check"].values())
+    with pytest.raises(SystemExit):
+        bench.main(["--model", str(tmp_path / "missing.keras")] + MODEL_TINY[2:])

@@ -154,7 +154,10 @@ def build_parser():
     m.add_argument("--model", metavar="NAMES",
                    help="comma list of keras.applications models (case-insensitive: resnet50, "
                         "mobilenetv2, densenet121, ...; 'tiny' is a 3-layer CNN for smoke "
-                        "tests), built with weights=None on synthetic data")
+                        "tests), built with weights=None on synthetic data; or models of "
+                        "yours: path/to/model.keras (or .h5), package.module:factory (a "
+                        "function returning a keras.Model); one input, one classifier "
+                        "output, their shapes from the model (--size, --classes ignored)")
     m.add_argument("--batch", type=int, help="batch size (default %d)" % ModelConfig.batch)
     m.add_argument("--size", type=int, help="image height and width (default %d)"
                    % ModelConfig.size)

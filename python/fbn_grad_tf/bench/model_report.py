@@ -21,9 +21,10 @@ def _x(r):
 def format_model_block(res, meta):
     """One model: a header line (BN layers, elements, roofline) and a row per variant."""
     rf = res["roofline"]
-    head = ("%s  batch %d, %dx%d, %s: %d BN layers%s, %.1fM BN elements per step, %d "
+    head = ("%s  batch %d, %s, %s: %d BN layers%s, %.1fM BN elements per step, %d "
             "activations after BN; BN roofline %.3g GB (%d passes x %d B) = %s ms at %s GB/s" % (
-                res["model"], res["batch"], res["size"], res["size"], res["policy"],
+                res["model"], res["batch"],
+                res.get("input") or "%dx%d" % (res["size"], res["size"]), res["policy"],
                 res["bn_layers"], (" (%d on our fused path)" % res["fused_path_layers"])
                 if "fused_path_layers" in res else "", res["bn_elements"] / 1e6,
                 res["activations_after_bn"], rf["bytes"] / 1e9, rf["passes"], rf["itemsize"],

@@ -16,7 +16,8 @@ from .timing import Progress, configure_threads, measure_bandwidth
 from .model_stats import TRACE_RATIO_BASE, model_stats, trace_stats
 from .model_variants import (
     MODEL_VARIANTS, RATIO_BASE, _VARIANTS, _activation_types, _fused_path_layers, _is_bn,
-    _keras, _tf_ops, activations_after_bn, bn_facts, build_model, selected_variants)
+    _keras, _tf_ops, activations_after_bn, bn_facts, build_model, is_user_model,
+    model_data_shapes, selected_variants)
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 #: Bytes per element of the tensors BN reads and writes under each policy (compute dtype).
@@ -136,9 +137,9 @@ def run_one_model(name, config, variants, progress, bandwidth_gbs):
     if "ours" in models:
         facts["fused_path_layers"] = _fused_path_layers(models["ours"])
     scopes = _trace_scopes(base, models) if config.trace else None
-    x = tf.random.stateless_uniform([config.batch, config.size, config.size, 3],
-                                    [config.seed, 1], 0.0, 1.0)
-    y = tf.random.stateless_uniform([config.batch], [config.seed, 2], 0, config.classes,
+    x_shape, classes = model_data_shapes(base, config.batch)
+    x = tf.random.stateless_uniform(x_shape, [config.seed, 1], 0.0, 1.0)
+    y = tf.random.stateless_uniform([config.batch], [config.seed, 2], 0, classes,
                                     dtype=tf.int32)
     steps = {k: _train_step(m, x, y) for k, m in models.items()}
     models = base = None
@@ -175,6 +176,8 @@ def run_one_model(name, config, variants, progress, bandwidth_gbs):
     itemsize = POLICY_ITEMSIZE[config.policy]
     traffic = facts["bn_elements"] * BN_PASSES * itemsize
     res = {"model": name, "batch": config.batch, "size": config.size,
+           "input": ("x".join(str(d) for d in x_shape[1:]) if is_user_model(name)
+                     else None),  # a user's model has its own input shape
            "policy": config.policy, **facts,
            "roofline": {"bytes": traffic, "passes": BN_PASSES, "itemsize": itemsize,
                         "bandwidth_gbs": bandwidth_gbs,

@@ -2,7 +2,9 @@
 BatchNormalization swapped (Keras 3 as built, TF fused, ours, ours converted) or made a
 pass-through (the floors), the weights copied into every clone; the model's BN facts."""
 import dataclasses
+import importlib
 import math
+import os
 from typing import Callable, Optional
 
 import keras
@@ -232,20 +234,62 @@ def without_dropout(model):
     return keras.models.clone_model(model, clone_function=clone_function)
 
 
+def is_user_model(name):
+    """True for a model of the user's: a saved file ("path/to/model.keras", ".h5") or a
+    factory ("package.module:function", called without arguments)."""
+    return name.endswith((".keras", ".h5")) or ":" in name
+
+
+def _user_model(spec):
+    keras = _keras()
+    if spec.endswith((".keras", ".h5")):
+        if not os.path.isfile(spec):
+            raise ValueError("--model %s: no such file" % spec)
+        model = keras.models.load_model(spec, compile=False)
+    else:
+        module, _, attr = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError("--model %s: cannot import %s from %s (%s)"
+                             % (spec, attr, module, e)) from None
+        model = factory()
+    if not isinstance(model, keras.Model):
+        raise ValueError("--model %s: expected a keras.Model, got %s"
+                         % (spec, type(model).__name__))
+    if len(model.inputs) != 1 or len(model.outputs) != 1:
+        raise ValueError("--model %s: the bench feeds one input and one output (a classifier "
+                         "trained with sparse categorical cross-entropy); this model has %d "
+                         "and %d" % (spec, len(model.inputs), len(model.outputs)))
+    if None in tuple(model.inputs[0].shape[1:]) or model.outputs[0].shape[-1] is None:
+        raise ValueError("--model %s: its input shape %s and output classes must be known "
+                         "(build it with keras.Input of a fixed shape)"
+                         % (spec, tuple(model.inputs[0].shape)))
+    return model
+
+
 def build_model(name, size, classes):
     """keras.applications.<name>(weights=None, input_shape=(size, size, 3), classes=classes),
-    or the TINY model, with dropout off (without_dropout). Under the global dtype policy in
-    force."""
+    the TINY model, or a model of the user's (is_user_model: its own input shape and classes;
+    size and classes do not apply), with dropout off (without_dropout). Under the global
+    dtype policy in force (a saved file keeps the policies it was saved with)."""
     keras = _keras()
+    if is_user_model(name):
+        return without_dropout(_user_model(name))
     names = model_names()
     key = name.lower()
     if key not in names:
-        raise ValueError("unknown model %r: one of %s (keras.applications)" % (
-            name, ", ".join(sorted(names))))
+        raise ValueError("unknown model %r: one of %s (keras.applications), a .keras file or "
+                         "module:factory" % (name, ", ".join(sorted(names))))
     if key == TINY:
         return _tiny_model(size, classes, keras)
     return without_dropout(getattr(keras.applications, names[key])(
         weights=None, input_shape=(size, size, 3), classes=classes))
+
+
+def model_data_shapes(model, batch):
+    """(input shape, number of classes) of the synthetic data for `model`."""
+    return (batch,) + tuple(model.inputs[0].shape[1:]), int(model.outputs[0].shape[-1])
 
 
 def bn_facts(model, batch):

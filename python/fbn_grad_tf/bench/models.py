@@ -51,8 +51,8 @@ from .model_variants import (  # noqa: F401
     MODEL_VARIANT_KEYS, MODEL_VARIANTS, RATIO_BASE, TINY, ModelVariant, PassThrough, _VARIANTS,
     _activation_types, _build_converted, _build_floor, _build_floor_act, _build_keras,
     _build_ours, _build_tf_fused, _clone, _copy_weights, _fused_path_layers, _is_bn, _keras,
-    _producer, activations_after_bn, bn_facts, build_model, model_names, selected_variants,
-    without_dropout)
+    _producer, activations_after_bn, bn_facts, build_model, is_user_model, model_names,
+    selected_variants, without_dropout)
 from .model_stats import (  # noqa: F401
     TRACE_RATIO_BASE, _bootstrap_ratio, _quartiles, model_stats, trace_stats)
 from .model_runs import (  # noqa: F401
@@ -118,10 +118,15 @@ def model_config_from_args(args):
     cfg = ModelConfig()
     cfg.models = tuple(m.strip() for m in args.model.split(",") if m.strip())
     known = model_names()
-    bad = [m for m in cfg.models if m.lower() not in known]
+    bad = [m for m in cfg.models if m.lower() not in known and not is_user_model(m)]
+    missing = [m for m in cfg.models
+               if m.endswith((".keras", ".h5")) and not os.path.isfile(m)]
+    if missing:
+        raise SystemExit("--model: no such file: %s" % ", ".join(missing))
     if bad or not cfg.models:
-        raise SystemExit("--model: unknown model(s) %s; one of: %s" % (
-            ", ".join(bad) or "(none)", ", ".join(sorted(known))))
+        raise SystemExit("--model: unknown model(s) %s; one of: %s; or a model of yours: "
+                         "path/to/model.keras or package.module:factory" % (
+                             ", ".join(bad) or "(none)", ", ".join(sorted(known))))
     for field, val in (("batch", args.batch), ("size", args.size), ("policy", args.policy),
                        ("reps", args.reps), ("threads", args.threads),
                        ("warmup", args.model_warmup), ("classes", args.classes),
