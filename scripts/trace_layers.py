@@ -1,6 +1,6 @@
 """Per-layer BN op times inside a keras.applications model: TF fused against ours converted.
 
-A development diagnostic (not run in CI; docs/BENCHMARK.md, "Per layer inside the models"):
+A development diagnostic (not run in CI; docs/PERFORMANCE_NOTES.md, "How in-model speed is judged"):
 `python -m fbn_grad_tf.bench --model --trace` sums BN (+activation) op times per step; this
 splits them by BN layer, to find which layers an in-model gap comes from.
 

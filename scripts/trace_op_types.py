@@ -1,7 +1,7 @@
 """Op time per op type inside a keras.applications model's training step: TF fused, ours, floor.
 
-A development diagnostic (not run in CI; docs/BENCHMARK.md, "Where ResNet50's mixed_bfloat16
-BN cost goes"). `python -m fbn_grad_tf.bench --model --trace` sums the ops of the BN layers;
+A development diagnostic (not run in CI; docs/PERFORMANCE_NOTES.md, "How in-model speed is
+judged"). `python -m fbn_grad_tf.bench --model --trace` sums the ops of the BN layers;
 this sums *every* op of the step by op type, so what changes beside our ops shows too (the
 convolutions' gradients, the Relu/Add the floor's fused convolutions absorb, casts, small
 variable ops).

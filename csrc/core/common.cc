@@ -284,8 +284,8 @@ namespace {
 // for up to kPoolSpin, then sleeps on a condition variable, so an idle pool takes no CPU
 // after that; the caller likewise spins for up to kPoolSpin for the workers to finish before
 // it sleeps. Sleeping at once cost a futex sleep and wake per pass on each side: on a 2-core
-// VM a 73K-element forward took 143 us on 2 threads against 30 us on 1 (docs/BENCHMARK.md,
-// "Waiting for a helper").
+// VM a 73K-element forward took 143 us on 2 threads against 30 us on 1 (docs/PERFORMANCE_NOTES.md,
+// "Spin before sleeping").
 class WorkerPool {
  public:
   // Never destroyed: at exit the threads are still blocked in Loop, and destroying a

@@ -201,8 +201,8 @@ CpuIsa DefaultCpuIsa();
 // and our BN ops 1.03-1.08x faster inside ResNet50/MobileNetV2 training steps; on a
 // 2-core AMD EPYC (Zen 4) they made it slower: the fused backward's op time inside
 // ResNet50 and MobileNetV2 training steps (float32 and mixed_bfloat16) was 1.14-1.28x
-// lower without them, 32x14x14x1024 alone 1.36-1.42x (docs/BENCHMARK.md, "Software
-// prefetch by CPU vendor"). So: off on AMD CPUs, on elsewhere, unless the environment
+// lower without them, 32x14x14x1024 alone 1.36-1.42x (docs/PERFORMANCE_NOTES.md,
+// "Software prefetch, by CPU vendor"). So: off on AMD CPUs, on elsewhere, unless the environment
 // variable FBN_GRAD_TF_PREFETCH (on | off | auto) says otherwise. Read once.
 // It also picks how channels-last rows are walked, which is tied to who prefetches: where
 // the hardware alone does (off), wide rows are walked in address order (the backward's
@@ -214,7 +214,7 @@ bool SoftwarePrefetch();
 // with non-temporal stores, by element size. Streaming saves the read-for-ownership of lines
 // that are not cached, but must evict the ones that are, and an output buffer recycled by
 // TF's allocator often still is. Measured per call on a Xeon VM that reports a 480 MiB L3
-// (docs/BENCHMARK.md, "Streaming stores by element size"): float32 outputs of 12.8-103 MB
+// (docs/PERFORMANCE_NOTES.md, "Streaming stores by element size"): float32 outputs of 12.8-103 MB
 // took 0.76-0.93x the time streamed, while the 16-bit kernels (twice the work per byte)
 // took 0.65-0.82x the time at 9.4-25.7 MB written plainly, about even at 51 MB; inside
 // training steps neither way changed anything beyond noise. So float32 streams from 8 MiB

@@ -154,7 +154,7 @@ class FbnGradOpBase : public OpKernel {
   // full-size buffer(s) less, and on the CPU pass 2 writes into cache lines it has just read
   // instead of fetching fresh ones. Measured inside ResNet50 and MobileNetV2 float32
   // training steps (2-core Xeon, profiler, 30 steps, alternated): our BN ops' time 0.93-0.97x
-  // of the same ops writing fresh buffers (docs/BENCHMARK.md, "In place").
+  // of the same ops writing fresh buffers (docs/PERFORMANCE_NOTES.md, "The backward in place").
   bool Prepare(OpKernelContext* ctx, fbn::SavedStat training_stat, Prepared* p) {
     const Tensor& dy = ctx->input(0);
     const Tensor& x = ctx->input(1);

@@ -65,8 +65,8 @@ typename CoreType<T>::type* CoreData(tensorflow::Tensor* t) {
 //     split the cores instead of stacking threads on them.
 // Our earlier private worker pool (one extra thread per intra-op thread, one run at a time)
 // won single-op microbenchmarks but oversubscribed the cores beside TF's threads inside models
-// and queued concurrent BN ops behind each other (docs/BENCHMARK.md: "Threading", under the
-// --model figures).
+// and queued concurrent BN ops behind each other (docs/PERFORMANCE_NOTES.md,
+// "Threading").
 // Results do not depend on who runs which block (fixed-order combine): bitwise the same for
 // any thread count and any interleaving.
 class IntraOpPoolRunner final : public fbn::TaskRunner {
@@ -143,7 +143,7 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
     // to tens of microseconds: the caller spins for up to kCloseSpin before it sleeps on
     // `done`, because sleeping and being woken costs more than that on a VM (a futex wait,
     // the helper's futex wake, the scheduler). Measured inside training steps, float32 and
-    // mixed_bfloat16 (docs/BENCHMARK.md, "Waiting for a helper"): the sum of our BN ops' times
+    // mixed_bfloat16 (docs/PERFORMANCE_NOTES.md, "Spin before sleeping"): the sum of our BN ops' times
     // fell by 7-11% in ResNet50, MobileNetV2 and DenseNet121, the other ops' times unchanged;
     // bounds of 30, 100 and 1000 us measured the same.
     void Close() {
