@@ -52,7 +52,7 @@ keras_at_release() {
   esac
 }
 
-usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 
 for a in "$@"; do
   case $a in
@@ -82,6 +82,8 @@ newest_matching() { grep -E "$1" | sort -V | tail -n 1; }
 
 command -v "$PY" > /dev/null || die "no $PY (set FBN_COMPAT_PYTHON)"
 mkdir -p "$CACHE/venvs" "$CACHE/build" || die "cannot create $CACHE"
+exec 9> "$CACHE/.lock"
+flock -n 9 || die "another compat_check.sh is running with $CACHE (FBN_COMPAT_DIR)"
 RUN=$CACHE/run
 rm -rf "$RUN"
 mkdir -p "$RUN/logs" "$RUN/junit" "$RUN/wheels" "$RUN/cwd"
