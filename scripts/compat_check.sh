@@ -401,6 +401,31 @@ if doc:
             "tested (`+worktree`: uncommitted files included).\n\n")
         f.write(table(list(merged.values())))
     print("rows merged into %s" % doc)
+
+    # README's compat block: one row per TF version, from the merged table.
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(doc))), "README.md")
+    begin, end = "<!-- BEGIN GENERATED: compat -->", "<!-- END GENERATED: compat -->"
+    text = open(readme).read() if os.path.isfile(readme) else ""
+    if begin in text and end in text:
+        by_tf = {}
+        for c in sorted(merged.values(), key=sort_key):
+            by_tf.setdefault(c[0], []).append(c)
+        lines = [begin, "<!-- made by scripts/compat_check.sh from docs/results/compat.md: "
+                 "rerun it instead of editing -->", "",
+                 "| TensorFlow | Keras 3 (at release, newest) | tf_keras | compat tests passed "
+                 "| date |", "|---|---|---|---|---|"]
+        for tf_v, cs in by_tf.items():
+            ok = all(c[4] == "0" and not c[10] for c in cs)
+            lines.append("| %s | %s | %s | %s%s | %s |" % (
+                tf_v, ", ".join(c[1].split(" ")[0] for c in cs), cs[0][2],
+                " / ".join(c[3] for c in cs), "" if ok else " (failures: see the table)",
+                max(c[7] for c in cs)))
+        lines += ["", "Machine: %s. Every pair: [docs/results/compat.md](docs/results/compat.md)."
+                  % "; ".join(sorted({c[8] for c in merged.values()})), end]
+        i, j = text.index(begin), text.index(end) + len(end)
+        with open(readme, "w") as f:
+            f.write(text[:i] + "\n".join(lines) + text[j:])
+        print("README.md's compat block rewritten")
 EOF
 [ -s "$RUN/results.jsonl" ] || exit 2
 if grep -q '"status": "ok"' "$RUN/results.jsonl" && ! grep -qv '"status": "ok"' "$RUN/results.jsonl"; then
