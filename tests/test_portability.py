@@ -5,6 +5,7 @@ weight files, checkpoints and variable paths shared between a model and its conv
 Models are keras.applications ones at 32x32 (tests/model_oracle.py) and the hand-made
 models of tests/test_convert.py and tests/test_convert_hostile.py.
 """
+import inspect
 import json
 import os
 import subprocess
@@ -62,7 +63,10 @@ def scrambled(model, seed):
 def structure(model):
     """Per layer: (name, class, config), and the inbound layers of each node: what
     `revert(convert(m))` must give back."""
-    layers = [(layer.name, type(layer).__name__, layer.get_config()) for layer in model.layers]
+    # Configs as they serialize (older Keras versions mix tuples and lists in them).
+    layers = [(layer.name, type(layer).__name__,
+               json.loads(json.dumps(layer.get_config(), default=str)))
+              for layer in model.layers]
     nodes = {}
     for layer in model.layers:
         for node in layer._inbound_nodes:  # pylint: disable=protected-access
@@ -79,15 +83,29 @@ def assert_same_weights(a, b):
 
 # ---- exports that need nothing of ours ------------------------------------------------------
 
-# The child hides every fbn_grad_tf on its import path (the editable install's finder, a
-# site-packages copy, the source tree) and proves it, then loads and serves the SavedModel.
+# The child makes fbn_grad_tf unimportable (the editable install's finder and the source tree
+# leave its path; a finder in front refuses the package wherever else it is installed) and
+# proves it, loads and serves the SavedModel, and checks that no library of ours was mapped.
 _LOAD_WITHOUT_PACKAGE = """
-import importlib.util, os, sys
+import importlib.abc, os, sys
 sys.meta_path[:] = [f for f in sys.meta_path if "fbn_grad_tf" not in repr(f).lower()
                     and "editable" not in type(f).__module__]
-sys.path[:] = [p for p in sys.path
-               if not os.path.exists(os.path.join(p or ".", "fbn_grad_tf"))]
-assert importlib.util.find_spec("fbn_grad_tf") is None, "fbn_grad_tf still importable"
+sys.path[:] = [p for p in sys.path if not os.path.isfile(
+    os.path.join(p or ".", "fbn_grad_tf", "_convert.py")) or "-packages" in p]
+
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "fbn_grad_tf":
+            raise ModuleNotFoundError("fbn_grad_tf is hidden from this process")
+
+
+sys.meta_path.insert(0, Refuse())
+try:
+    import fbn_grad_tf
+    raise SystemExit("fbn_grad_tf still importable")
+except ModuleNotFoundError:
+    pass
 import json
 import numpy as np
 import tensorflow as tf
@@ -101,7 +119,9 @@ fn = getattr(saved, "serve", None) or saved.signatures["serving_default"]
 out = fn(tf.constant(x))
 out = list(out.values())[0] if isinstance(out, dict) else out
 np.save(sys.argv[3], np.asarray(out))
-assert "fbn_grad_tf" not in sys.modules
+with open("/proc/self/maps") as maps:
+    ours = sorted({line.split()[-1] for line in maps if "/fbn_grad_tf/" in line})
+assert not ours and "fbn_grad_tf" not in sys.modules, ours
 print(json.dumps(sorted(op for op in ops if "FbnGrad" in op)))
 """
 
@@ -122,6 +142,12 @@ def load_without_package(path, x, tmp_path):
     return np.load(str(tmp_path / "y.npy"))
 
 
+def export(model, path):
+    """model.export(path), quietly where this Keras can (3.3 has no `verbose`)."""
+    quiet = "verbose" in inspect.signature(model.export).parameters
+    model.export(str(path), **({"verbose": False} if quiet else {}))
+
+
 def assert_rel_close(got, want, rtol):
     scale = max(float(np.max(np.abs(want))), 1e-30)
     err = float(np.max(np.abs(got - want))) / scale
@@ -132,7 +158,7 @@ def assert_rel_close(got, want, rtol):
 def test_model_export_of_a_trained_converted_model_loads_without_the_package(name, tmp_path):
     conv = trained(convert(build(name)))
     path = tmp_path / "export"
-    conv.export(str(path), verbose=False)
+    export(conv, str(path))
     x = oracle.data(5)[0]
     want = conv(x, training=False).numpy()
     assert_rel_close(load_without_package(path, x, tmp_path), want, 1e-5)
@@ -153,7 +179,7 @@ def test_serving_function_and_override_exports_load_without_the_package(tmp_path
     # A model trained under override(): stock layers, our ops while on; exported after.
     with fbn_grad_tf.keras.override():
         model = trained(oracle.build_app("MobileNetV2"))
-        model.export(str(tmp_path / "override"), verbose=False)
+        export(model, str(tmp_path / "override"))
     x = oracle.data(7)[0]
     assert_rel_close(load_without_package(tmp_path / "override", x, tmp_path),
                      model(x, training=False).numpy(), 1e-5)
@@ -170,7 +196,7 @@ def test_tf_keras_model_under_override_exports_without_the_package(tmp_path):
         model.compile("sgd", tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         x = oracle.data(8, (8, 8, 8, 3))[0]
         model.fit(x, np.arange(8) % 2, epochs=1, verbose=0)
-        model.export(str(tmp_path / "tfk"))
+        model.export(str(tmp_path / "tfk"))  # tf_keras: its own export
     assert_rel_close(load_without_package(tmp_path / "tfk", x, tmp_path),
                      model(x, training=False).numpy(), 1e-5)
 
@@ -283,7 +309,7 @@ def test_revert_of_convert_is_the_original(name):
 def test_reverted_model_runs_in_tflite_with_the_same_outputs(tmp_path):
     conv = trained(convert(oracle.build_app("MobileNetV2")))
     back = revert(conv)
-    back.export(str(tmp_path / "sm"), verbose=False)
+    export(back, str(tmp_path / "sm"))
     converter = tf.lite.TFLiteConverter.from_saved_model(str(tmp_path / "sm"))
     interpreter = tf.lite.Interpreter(model_content=converter.convert())
     x = oracle.data(4)[0][:1]

@@ -214,6 +214,7 @@ class FusedIntoBatchNorm(keras.layers.Layer):
         # Kept as JSON text: a dict attribute would be wrapped by Keras' and TF's trackers.
         self._absorbed_json = json.dumps(layer)
         self.passthrough_index = int(passthrough_index)
+        self.supports_masking = True  # as the activation and Add layers it stands for
 
     @classmethod
     def standing_for(cls, layer, passthrough_index=0):
@@ -236,6 +237,19 @@ class FusedIntoBatchNorm(keras.layers.Layer):
 
     def call(self, inputs):
         return self._passed(inputs)
+
+    def compute_mask(self, inputs, mask=None):
+        """The mask the absorbed layer passed on: its input's, or for an Add the elementwise
+        AND of its inputs' masks."""
+        if not isinstance(mask, (list, tuple)):
+            return mask
+        masks = [m for m in mask if m is not None]
+        if not masks:
+            return None
+        out = masks[0]
+        for m in masks[1:]:
+            out = keras.ops.logical_and(out, m)
+        return out
 
     def compute_output_spec(self, inputs):
         x = self._passed(inputs)
