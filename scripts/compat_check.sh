@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compatibility check: fbn_grad_tf installed as a user installs it and tested (the `compat`
-# tests, tests/test_compat.py) with every TensorFlow of the Keras 3 era, each with two Keras 3
+# tests of tests/test_compat.py and tests/test_portability.py) with every TensorFlow of the Keras 3 era, each with two Keras 3
 # versions: the one current when that TensorFlow was released, and the newest that installs
 # with it.
 #
@@ -29,13 +29,13 @@
 #
 # Environment: FBN_COMPAT_DIR (default ~/.cache/fbn_grad_tf_compat; venvs ~1.5 GB each),
 # FBN_COMPAT_PYTHON (the Python of the venvs, default python3), FBN_COMPAT_TESTS (pytest
-# paths relative to the source, default tests/test_compat.py).
+# paths relative to the source, default tests/test_compat.py tests/test_portability.py).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${FBN_COMPAT_DIR:-$HOME/.cache/fbn_grad_tf_compat}
 PY=${FBN_COMPAT_PYTHON:-python3}
-read -r -a TESTS <<< "${FBN_COMPAT_TESTS:-tests/test_compat.py}"
+read -r -a TESTS <<< "${FBN_COMPAT_TESTS:-tests/test_compat.py tests/test_portability.py}"
 DEFAULT_TF="2.16 2.17 2.18 2.19 2.20 2.21"
 SOURCE=head
 WRITE_DOC=1
@@ -392,10 +392,13 @@ if doc:
             "with two Keras 3 versions per TensorFlow: the one current when that "
             "TensorFlow was released (*at release*) and the newest that installs with it "
             "(*newest*); tf_keras is the release numbered like the TensorFlow. The tests "
-            "are the `compat` subset, [tests/test_compat.py](../../tests/test_compat.py): "
+            "are the `compat` subset of [tests/test_compat.py](../../tests/test_compat.py) "
+            "and [tests/test_portability.py](../../tests/test_portability.py): "
             "our backward and forward ops against TensorFlow's per dtype and format, "
             "`convert` + `fit` + `model.export` of MobileNetV2 served without fbn_grad_tf, "
-            "and `override()` on Keras 3 and tf_keras models.\n\n"
+            "`override()` on Keras 3 and tf_keras models, `revert` round trips, TFLite of a "
+            "reverted model, weight files and checkpoints between NASNetMobile or "
+            "MobileNetV2 and its conversion, and `.keras` files of converted models.\n\n"
             "Written by `bash scripts/compat_check.sh [TF versions]` (each run replaces "
             "the rows of the pairs it ran). *time*: the pytest run; *commit*: the source "
             "tested (`+worktree`: uncommitted files included).\n\n")

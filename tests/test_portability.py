@@ -279,7 +279,12 @@ def _hostile_models():
             "mixed": lambda: mixed}
 
 
-@pytest.mark.parametrize("name", ["patterns", "nested", "masked", "mixed", "MobileNetV2",
+COMPAT = pytest.mark.compat  # also in scripts/compat_check.sh's suite (every TF and Keras)
+
+
+@pytest.mark.parametrize("name", [pytest.param("patterns", marks=COMPAT),
+                                  pytest.param("nested", marks=COMPAT), "masked", "mixed",
+                                  pytest.param("MobileNetV2", marks=COMPAT),
                                   "NASNetMobile", "ResNet50", "ResNet50V2",
                                   pytest.param("DenseNet121", marks=pytest.mark.slow),
                                   pytest.param("EfficientNetB0", marks=pytest.mark.slow)])
@@ -306,6 +311,7 @@ def test_revert_of_convert_is_the_original(name):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@COMPAT
 def test_reverted_model_runs_in_tflite_with_the_same_outputs(tmp_path):
     conv = trained(convert(oracle.build_app("MobileNetV2")))
     back = revert(conv)
@@ -322,6 +328,7 @@ def test_reverted_model_runs_in_tflite_with_the_same_outputs(tmp_path):
     assert_rel_close(got, conv(x, training=False).numpy(), 1e-4)
 
 
+@COMPAT
 def test_keras_file_of_a_converted_model_keeps_the_absorbed_layers(tmp_path):
     conv = convert(patterns_model())
     path = str(tmp_path / "m.keras")
@@ -334,7 +341,9 @@ def test_keras_file_of_a_converted_model_keeps_the_absorbed_layers(tmp_path):
 
 # ---- weight files, checkpoints, variable paths --------------------------------------------
 
-@pytest.mark.parametrize("name", ["NASNetMobile", "MobileNetV2", "ResNet50", "DenseNet121"])
+@pytest.mark.parametrize("name", [pytest.param("NASNetMobile", marks=COMPAT),
+                                  pytest.param("MobileNetV2", marks=COMPAT),
+                                  "ResNet50", "DenseNet121"])
 def test_weight_files_and_checkpoints_pass_both_ways(name, tmp_path):
     original = build(name)
     conv = convert(original)
