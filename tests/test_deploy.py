@@ -83,29 +83,28 @@ def test_saved_model_reload_in_fresh_process(tmp_path):
     np.savez(os.path.join(str(tmp_path), "expected.npz"), x=x, xc=xc, **expected)
     full = os.path.join(str(tmp_path), "full")
     tf.saved_model.save(m, full)
-    # Inference-only export without the custom-gradient functions: loads without fbn_grad_tf.
-    # (A module holding only the serving function: every tf.function of a saved module is
-    # saved, and m.grads itself contains our op.)
+    # Inference-only export, default options: loads without fbn_grad_tf (inference runs TF's
+    # ops with TF's gradients). A module holding only the serving function: every tf.function
+    # of a saved module is saved, and m.grads itself contains our op.
     serving = tf.Module()
     serving.model = m.model
     serving.serve = tf.function(lambda x: m.model(x, training=False),
                                 input_signature=[tf.TensorSpec([None, 8, 8, 3], tf.float32)])
     serve_only = os.path.join(str(tmp_path), "serve_only")
-    tf.saved_model.save(serving, serve_only, signatures={"serve": serving.serve},
-                        options=tf.saved_model.SaveOptions(experimental_custom_gradients=False))
+    tf.saved_model.save(serving, serve_only, signatures={"serve": serving.serve})
 
     out = run_child("""
         import numpy as np, tensorflow as tf
         e = np.load("expected.npz")
-        # 1. Without fbn_grad_tf: the full SavedModel holds our op (in the gradient
-        #    functions, even those of inference-only functions) and cannot be loaded ...
+        # 1. Without fbn_grad_tf: the full SavedModel holds our ops (its training function)
+        #    and cannot be loaded ...
         try:
             tf.saved_model.load("full")
             raise SystemExit("loaded without fbn_grad_tf?")
         except Exception as err:
             assert "FbnGrad>FusedBatchNorm" in str(err), err  # our forward or backward
             print("without import:", type(err).__name__)
-        # ... but the serving-only export (experimental_custom_gradients=False) can be.
+        # ... but the serving-only export can be.
         s = tf.saved_model.load("serve_only")
         np.testing.assert_allclose(s.signatures["serve"](x=tf.constant(e["x"]))["output_0"],
                                    e["serve"], rtol=1e-6, atol=1e-6)
