@@ -414,7 +414,9 @@ if doc:
         for c in sorted(merged.values(), key=sort_key):
             by_tf.setdefault(c[0], []).append(c)
         lines = [begin, "<!-- made by scripts/compat_check.sh from docs/results/compat.md: "
-                 "rerun it instead of editing -->", "",
+                 "rerun it instead of editing -->",
+                 "Machine: %s. Every pair: [docs/results/compat.md](docs/results/compat.md)."
+                 % "; ".join(sorted({c[8] for c in merged.values()})), "",
                  "| TensorFlow | Keras 3 (at release, newest) | tf_keras | compat tests passed "
                  "| date |", "|---|---|---|---|---|"]
         for tf_v, cs in by_tf.items():
@@ -423,8 +425,7 @@ if doc:
                 tf_v, ", ".join(c[1].split(" ")[0] for c in cs), cs[0][2],
                 " / ".join(c[3] for c in cs), "" if ok else " (failures: see the table)",
                 max(c[7] for c in cs)))
-        lines += ["", "Machine: %s. Every pair: [docs/results/compat.md](docs/results/compat.md)."
-                  % "; ".join(sorted({c[8] for c in merged.values()})), end]
+        lines.append(end)
         i, j = text.index(begin), text.index(end) + len(end)
         with open(readme, "w") as f:
             f.write(text[:i] + "\n".join(lines) + text[j:])
