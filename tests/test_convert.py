@@ -267,12 +267,7 @@ def test_application_converted_matches_float64_oracle(name):
                   if isinstance(layer, fbn_grad_tf.keras.FusedIntoBatchNorm)) == sorted(absorbed)
     x = oracle.data(9)[0]
     np.testing.assert_allclose(conv(x), k32(x), rtol=1e-5, atol=1e-5)  # inference
-    # The deep models flip ReLU/max-pool decisions between float32 and float64 on about half
-    # of the batches, for Keras' model as for ours, and a flip dominates a batch's error: five
-    # batches leave the median to chance there (ResNet50V2: ours 0.0027 vs Keras 0.00013 over
-    # 5, 0.0078 vs 0.0097 over 11), so they get eleven.
-    seeds = range(11) if name in SLOW_APPS else range(5)
-    errs = oracle.compare(conv, k32, k64, seeds=seeds)
+    errs = oracle.compare(conv, k32, k64, seeds=oracle.seeds_for(name))
     oracle.assert_as_good_as_keras(errs, label=name)
 
 
