@@ -318,12 +318,31 @@ def _operation_names(model):
     return [op.name for op in (model.layers if ops is None else ops)]
 
 
-def _rebuild_functional(model, call_node, who):
-    """A functional model with `model`'s inputs, outputs and name, whose nodes are made by
-    call_node(node, tensors) -> the node's new outputs, or None while a tensor it needs is
-    not made yet (tensors: id(old KerasTensor) -> new one). Nodes are made in the original's
-    order where they can be; a node that needs a tensor made later (a fused BN's side
-    input) waits for it."""
+def _call_as_recorded(node, layer, args, kwargs, tensors):
+    return layer(*args, **kwargs)
+
+
+def _rebuild_functional(model, who, new_layer, call=_call_as_recorded, side_input_of=None):
+    """A functional model with `model`'s inputs, outputs and name, and a node for each of its
+    nodes: new_layer(node) makes the node's layer (once per layer: shared layers stay
+    shared), and call(node, layer, args, kwargs, tensors) calls it on the node's recorded
+    arguments mapped to the new tensors (tensors: id(old KerasTensor) -> new one), under the
+    name scopes the old layer was built under. side_input_of(node): a tensor of the old
+    graph the node needs beyond its own inputs (a fused BN's side input), or None. Nodes
+    are made in the original's order where they can be; one that needs a tensor made later
+    waits for it."""
+    layers = {}
+
+    def make(n):
+        extra = side_input_of(n) if side_input_of is not None else None
+        if not _ready(tensors, list(n.input_tensors) + ([extra] if extra is not None else [])):
+            return None
+        args, kwargs = n.arguments.fill_in(tensors)
+        if id(n.operation) not in layers:
+            layers[id(n.operation)] = new_layer(n)
+        with _scoped_like(n.operation):
+            return call(n, layers[id(n.operation)], args, kwargs, tensors)
+
     tensors, new_inputs = {}, []
     for x in model.inputs:
         inp_layer = x._keras_history.operation  # pylint: disable=protected-access
@@ -335,7 +354,7 @@ def _rebuild_functional(model, call_node, who):
     while pending:
         waiting = []
         for n in pending:
-            outs = call_node(n, tensors)
+            outs = make(n)
             if outs is None:
                 waiting.append(n)
                 continue
@@ -563,27 +582,26 @@ def _convert_functional(model, fuse, synchronized):
         conv = _Converter(fuse, synchronized)
         fusions = conv.plan(nodes, consumers, outputs, held_back) if fuse else {}
         first_fusions = first_fusions or fusions
-        new_layers = {}
 
-        def call_node(n, tensors, conv=conv, fusions=fusions, new_layers=new_layers):
+        # Used within this attempt only (the model is rebuilt before the loop goes on).
+        def new_layer(n):
             fusion = fusions.get(id(n))
-            extra = [fusion.other] if fusion is not None and fusion.other is not None else []
-            if not _ready(tensors, list(n.input_tensors) + extra):
-                return None
-            args, kwargs = n.arguments.fill_in(tensors)
             if fusion is not None:
-                if fusion.other is not None:
-                    kwargs["side_input"] = tensors[id(fusion.other)]
-                layer = conv.new_bn(n.operation, activation=fusion.activation)
-                new_layers[id(n.operation)] = layer
-            else:
-                if id(n.operation) not in new_layers:  # shared layers stay shared
-                    new_layers[id(n.operation)] = conv.clone(n.operation)
-                layer = new_layers[id(n.operation)]
-            with _scoped_like(n.operation):
-                return layer(*args, **kwargs)
+                return conv.new_bn(n.operation, activation=fusion.activation)
+            return conv.clone(n.operation)
 
-        new = _rebuild_functional(model, call_node, "fbn_grad_tf.keras.convert")
+        def side_input_of(n):
+            fusion = fusions.get(id(n))
+            return fusion.other if fusion is not None else None
+
+        def call(n, layer, args, kwargs, tensors):
+            other = side_input_of(n)
+            if other is not None:  # y = act(bn(x) + other): the residual Add's other input
+                kwargs["side_input"] = tensors[id(other)]
+            return layer(*args, **kwargs)
+
+        new = _rebuild_functional(model, "fbn_grad_tf.keras.convert", new_layer, call,
+                                  side_input_of)
         if not fusions or _operation_names(new) == _operation_names(model):
             break
         # Held back next: the residual fusions that make a node deeper, then every fusion.
@@ -751,25 +769,20 @@ def _revert_functional(model):
     nodes = _node_list(model)
     consumers = _consumers(nodes)
     rev = _Reverter(layer.name for layer in model.layers)
-    new_layers = {}
 
-    def call_node(n, tensors):
-        if not _ready(tensors, n.input_tensors):
-            return None
-        args, kwargs = n.arguments.fill_in(tensors)
-        layer = n.operation
-        side_input = kwargs.pop("side_input", None) if _is_our_bn(layer) else None
-        if id(layer) not in new_layers:
-            new_layers[id(layer)] = rev.clone(layer)
-        with _scoped_like(layer):
-            y = new_layers[id(layer)](*args, **kwargs)
-        if _is_our_bn(layer):
-            after = consumers.get(id(n.outputs[0]), [])
-            if not (len(after) == 1 and isinstance(after[0].operation, FusedIntoBatchNorm)):
-                y = rev.unfused_tail(layer, y, side_input)
-        return y
+    def call(n, layer, args, kwargs, tensors):
+        if not _is_our_bn(n.operation):
+            return layer(*args, **kwargs)
+        side_input = kwargs.pop("side_input", None)
+        y = layer(*args, **kwargs)
+        after = consumers.get(id(n.outputs[0]), [])
+        if len(after) == 1 and isinstance(after[0].operation, FusedIntoBatchNorm):
+            return y  # the absorbed layers follow as nodes of their own
+        return rev.unfused_tail(n.operation, y, side_input)
 
-    return _rebuild_functional(model, call_node, "fbn_grad_tf.keras.revert"), rev
+    new = _rebuild_functional(model, "fbn_grad_tf.keras.revert",
+                              lambda n: rev.clone(n.operation), call)
+    return new, rev
 
 
 def _revert_sequential(model):
