@@ -2,8 +2,9 @@
 package is not installed, ``revert`` back to stock Keras layers (and TFLite from there), and
 weight files, checkpoints and variable paths shared between a model and its conversion.
 
-Models are keras.applications ones at 32x32 (tests/model_oracle.py) and the hand-made
-models of tests/test_convert.py and tests/test_convert_hostile.py.
+Models are keras.applications ones at 32x32 (tests/model_oracle.py), NASNetMobile (built
+under name scopes), test_convert.py's patterns model and the hand-made ones below (nested
+and shared sub-models, a mask, mixed dtype policies).
 """
 import inspect
 import json
@@ -252,31 +253,37 @@ def test_revert_of_layers_built_with_activation_and_side_input():
     np.testing.assert_allclose(seq_back(x), seq(x), rtol=1e-5, atol=1e-5)
 
 
-def _hostile_models():
+def _nested_model():
+    """Nested functional + Sequential models, the Sequential one called twice (shared)."""
     L = keras.layers
     keras.utils.set_random_seed(4)
-    # Nested functional + Sequential models, one of them called twice (shared).
     inner = keras.Sequential([keras.Input((8, 8, 4)), L.Conv2D(4, 3, padding="same"),
                               L.BatchNormalization(name="inner_bn"), L.ReLU(name="inner_relu")],
                              name="inner")
     inp = keras.Input((8, 8, 4))
-    h = inner(inner(inp))
-    h = L.BatchNormalization(name="outer_bn")(h)
-    h = L.Add(name="add")([h, inp])
-    h = L.ReLU(name="out_relu")(h)
-    nested = keras.Model(inp, h, name="nested")
-    # A masked sequence model (BN on a 3-D input: Keras' math), and a mixed-policy pair.
+    h = L.BatchNormalization(name="outer_bn")(inner(inner(inp)))
+    h = L.ReLU(name="out_relu")(L.Add(name="add")([h, inp]))
+    return keras.Model(inp, h, name="nested")
+
+
+def _masked_model():
+    """A masked sequence model (BN on a 3-D input: Keras' math)."""
+    L = keras.layers
     seq_in = keras.Input((5,), dtype="int32")
-    e = L.Embedding(10, 8, mask_zero=True)(seq_in)
-    e = L.BatchNormalization(name="masked_bn")(e)
-    masked = keras.Model(seq_in, L.GlobalAveragePooling1D()(e), name="masked")
+    e = L.BatchNormalization(name="masked_bn")(L.Embedding(10, 8, mask_zero=True)(seq_in))
+    return keras.Model(seq_in, L.GlobalAveragePooling1D()(e), name="masked")
+
+
+def _mixed_model():
+    """A BN and its activation under different dtype policies (not fused)."""
+    L = keras.layers
     mix_in = keras.Input((6, 6, 3))
-    m = L.Conv2D(4, 1)(mix_in)
-    m = L.BatchNormalization(name="bn16", dtype="mixed_bfloat16")(m)
-    m = L.Activation("relu", name="relu32")(m)
-    mixed = keras.Model(mix_in, m, name="mixed")
-    return {"patterns": patterns_model, "nested": lambda: nested, "masked": lambda: masked,
-            "mixed": lambda: mixed}
+    m = L.BatchNormalization(name="bn16", dtype="mixed_bfloat16")(L.Conv2D(4, 1)(mix_in))
+    return keras.Model(mix_in, L.Activation("relu", name="relu32")(m), name="mixed")
+
+
+HAND_MADE = {"patterns": patterns_model, "nested": _nested_model, "masked": _masked_model,
+             "mixed": _mixed_model}
 
 
 COMPAT = pytest.mark.compat  # also in scripts/compat_check.sh's suite (every TF and Keras)
@@ -289,8 +296,7 @@ COMPAT = pytest.mark.compat  # also in scripts/compat_check.sh's suite (every TF
                                   pytest.param("DenseNet121", marks=pytest.mark.slow),
                                   pytest.param("EfficientNetB0", marks=pytest.mark.slow)])
 def test_revert_of_convert_is_the_original(name):
-    hostile = _hostile_models()
-    model = hostile[name]() if name in hostile else build(name)
+    model = HAND_MADE[name]() if name in HAND_MADE else build(name)
     conv = convert(model)
     back = revert(conv)
     assert structure(back) == structure(model)
@@ -298,14 +304,8 @@ def test_revert_of_convert_is_the_original(name):
     assert_same_weights(conv, model)
     if name == "masked":
         x = np.array([[1, 2, 0, 0, 3], [4, 0, 0, 0, 0]], np.int32)
-    elif name in ("patterns",):
-        x = oracle.data(3, (4, 8, 8, 3))[0]
-    elif name in ("nested",):
-        x = oracle.data(3, (4, 8, 8, 4))[0]
-    elif name == "mixed":
-        x = oracle.data(3, (4, 6, 6, 3))[0]
     else:
-        x = oracle.data(3)[0]
+        x = oracle.data(3, (4,) + tuple(model.inputs[0].shape[1:]))[0]
     for a, b in zip(keras.tree.flatten(back(x, training=False)),
                     keras.tree.flatten(model(x, training=False))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
