@@ -28,7 +28,6 @@ struct bfloat16_t {
 };
 
 enum class DataFormat { kNHWC, kNCHW, kNDHWC, kNCDHW };
-enum class ElemType { kFloat32, kFloat16, kBFloat16 };
 
 // What reserve_space_2 holds in training mode. TF's CPU forward saves the biased batch
 // variance; TF's GPU forward (cuDNN) saves the inverse standard deviation
