@@ -345,10 +345,12 @@ def _boundary_offsets():
 @pytest.mark.parametrize("fmt", ["NHWC", "NCHW"])
 @pytest.mark.parametrize("side", [False, True], ids=["noside", "side"])
 def test_relu_mask_recomputed_equals_mask_from_y(act, fmt, side):
-    """Given the offset, the float CPU backward derives the Relu/Relu6 mask from z recomputed
-    from x instead of reading y; it must equal the mask read from the forward's y bitwise,
-    also for z at and beside 0 and 6 (inference with a = 1, so z = x + offset exactly) and on
-    random training data. (16-bit types always read y: their y is rounded.)"""
+    """Given the offset and no side input, the float CPU backward derives the Relu/Relu6 mask
+    from z recomputed from x instead of reading y; it must equal the mask read from the
+    forward's y bitwise, also for z at and beside 0 and 6 (inference with a = 1, so z = x +
+    offset exactly) and on random training data. With a side input the mask is read from y
+    whether or not the offset is given: the two calls must agree all the same. (16-bit types
+    always read y: their y is rounded.)"""
     b = _boundary_offsets()
     C = b.size
     shape = (2, 3, 5, C) if fmt == "NHWC" else (2, C, 3, 5)

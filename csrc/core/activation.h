@@ -9,8 +9,9 @@
 //   Swish     act(z) = z * sigmoid(z) (SiLU)  dz = dy * s * (1 + z * (1 - s)), s = sigmoid(z)
 //                                             (z recomputed from x, the statistics, scale,
 //                                             offset and the side input)
-// * The CUDA kernels read y; the CPU kernels on float, when given the offset, recompute z
-//   as Swish does and derive the same mask from it (cpu/backward.inc), one read less.
+// * The CUDA kernels read y; the CPU kernels on float, when given the offset and no side
+//   input, recompute z as Swish does and derive the same mask from it (cpu/backward.inc),
+//   one read less.
 // NaN: act(NaN) = NaN in every mode. The Relu/Relu6 masks are selects, as TF's ReluGrad
 // and Relu6Grad: where the mask is false dz is 0 whatever dy is (inf, NaN), and a NaN y
 // gives dz = 0. Swish's derivative is arithmetic: NaN in z or dy gives NaN. Relu6's

@@ -21,8 +21,9 @@ struct BnGradParams {
   // dz = y_backprop * act'(z) inside every pass, then the batch-norm backward runs on dz.
   // Swish recomputes z from x, the statistics, scale, BnGradArgs::offset and (if given)
   // BnGradArgs::side_input. Relu/Relu6 read the mask from BnGradArgs::y; on the CPU, for
-  // float with the offset given, they recompute z instead and derive the same mask from it
-  // (y is then not read: it must be the forward's output for those inputs, as the op says).
+  // float with the offset given and no side input, they recompute z instead and derive the
+  // same mask from it (y is then not read: it must be the forward's output for those
+  // inputs, as the op says).
   Activation activation = Activation::kIdentity;
 };
 

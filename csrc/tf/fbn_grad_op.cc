@@ -99,9 +99,9 @@ REGISTER_OP("FbnGrad>FusedBatchNormGradEx")
 FusedBatchNormGradV3 of y = act(batch_norm(x) + side_input) (FbnGrad>FusedBatchNormEx): y is
 that forward's output: Relu passes the gradient where y > 0, Relu6 where 0 < y < 6.
 offset (num_offsets = 1) and side_input (num_side_inputs, the forward's) are read by Swish,
-which recomputes z. On the CPU, for float with the offset given, Relu and Relu6 also
-recompute z and take the same mask from it without reading y, so y must then be the
-forward's output for x, scale, offset, side_input and the reserve spaces (as it is in the
+which recomputes z. On the CPU, for float with the offset given and no side input, Relu
+and Relu6 also recompute z and take the same mask from it without reading y, so y must
+then be the forward's output for x, scale, offset and the reserve spaces (as it is in the
 registered gradient). side_input_backprop (num_side_inputs outputs) is dz, the gradient of
 batch_norm(x) + side_input.
 )doc");

@@ -166,8 +166,8 @@ def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4
     FusedBatchNormGradEx): activation None, "relu", "relu6", "swish"/"silu"; y (the forward's
     output) is required by relu/relu6; offset (and side_input, if the forward had one) by
     swish, which recomputes z = bn(x) + side_input. For float, relu/relu6 given the offset
-    recompute z too and take their mask from it (y is then not read, one pass less, so y must
-    be the forward's output for these inputs). side_input_backprop=True also returns
+    and no side input recompute z too and take their mask from it (y is then not read, one
+    pass less, so y must be the forward's output for these inputs). side_input_backprop=True also returns
     dz = y_backprop * act'(z), the gradient of the side input. relu_y=... is the older
     spelling of activation="relu", y=relu_y.
 
