@@ -133,6 +133,49 @@ def test_blocks_from_fixtures(stored):
     assert text.index("### models-") < text.index("### ops-") < text.index("### layer-")
 
 
+def _grid_run():
+    """A full-grid (ops) run: float32 NHWC and NCHW, two shapes (one large), both modes; TF
+    oneDNN refused NCHW inference; --chain 4."""
+    results = []
+    for fmt in ("NHWC", "NCHW"):
+        for shape, elements, x, bw in (((32, 56, 56, 256), 25_690_112, 3.0, 0.62),
+                                       ((256, 1, 1, 4096), 1_048_576, 0.9, 0.30)):
+            tensor_shape = list(shape) if fmt == "NHWC" else [shape[0], shape[3], shape[1],
+                                                              shape[2]]
+            for mode in ("training", "inference"):
+                refused = fmt == "NCHW" and mode == "inference"
+                results.append({"shape": list(shape), "tensor_shape": tensor_shape,
+                                "format": fmt, "dtype": "float32", "mode": mode,
+                                "elements": elements, "ours_ms": 1.0,
+                                "speedup_onednn": None if refused else x,
+                                "bw_fraction": bw if mode == "training" else 2 * bw,
+                                "chain_bw_fraction": bw + 0.04})
+    return {"meta": _meta("ops", "python -m fbn_grad_tf.bench --chain 4 --store", mode="ops"),
+            "results": results}
+
+
+def test_grid_block(stored):
+    (stored / SLUG / "ops.json").write_text(json.dumps(_grid_run()))
+    gen = bench.blocks(bench.load_runs([str(stored)]))
+    assert set(gen) == {"models-" + SLUG, "ops-" + SLUG, "grid-" + SLUG, "layer-" + SLUG}
+    # the per-case table stays the quick run's when a full grid is stored beside it
+    assert "Run: `python -m fbn_grad_tf.bench --quick --store`;" in gen["ops-" + SLUG]
+    grid = gen["grid-" + SLUG]
+    assert "Run: `python -m fbn_grad_tf.bench --chain 4 --store`;" in grid
+    rows = _rows(grid, "float32")
+    assert rows == [
+        ["float32", "NHWC", "training", "2", "1.64x", "0.90x (256x1x1x4096)", "62%", "62%",
+         "66%"],
+        ["float32", "NHWC", "inference", "2", "1.64x", "0.90x (256x1x1x4096)", "124%", "124%",
+         "66%"],
+        ["float32", "NCHW", "training", "2", "1.64x", "0.90x (256x4096x1x1)", "62%", "62%",
+         "66%"],
+        ["float32", "NCHW", "inference", "0", "n/a", "n/a", "124%", "124%", "66%"]]
+    assert "All 6 cases TF oneDNN ran: geomean 1.64x." in grid  # (3 * 0.9) ** (1/2)
+    text = bench.report_text(bench.load_runs([str(stored)]))
+    assert text.index("### ops-") < text.index("### grid-") < text.index("### layer-")
+
+
 def _block(name, body):
     return "<!-- BEGIN GENERATED: %s -->\n%s\n<!-- END GENERATED: %s -->\n" % (name, body, name)
 

@@ -10,8 +10,11 @@ headed by a line naming the run it comes from (command, CPU, machine kind, TF, d
 * ``models-<slug>``: one table per models-<policy> run: per model the step times of Keras 3,
   TF fused and ours converted, the step speed-ups of ours converted, and its BN+activation
   cost against TF fused's, from step - floor and (--trace) from the sum of op times;
-* ``ops-<slug>``: the backward op per case of the ops run (the full grid) or else the quick
-  run, ours against TF oneDNN, training and inference, and the geomean over the cases;
+* ``ops-<slug>``: the backward op per case of the quick run (or else of the full grid), ours
+  against TF oneDNN, training and inference, and the geomean over the cases;
+* ``grid-<slug>``: the full grid (the ops run) summed up per dtype, format and mode: the
+  geomean and the lowest case of TF oneDNN / ours, and our fraction of the bandwidth on the
+  large shapes, per call and (--chain) in a chain;
 * ``layer-<slug>``: the --layer summary (layer, else layer-quick).
 
 A doc holds a block between the lines ``<!-- BEGIN GENERATED: <name> -->`` and
@@ -26,7 +29,7 @@ import sys
 
 import numpy as np
 
-from .cases import DTYPES, FORMATS
+from .cases import DTYPES, FORMATS, LARGE_ELEMENTS, MODES
 from .contestants import LAYER_HEADERS, LAYER_KEYS, _layer_partner
 from .model_stats import _bootstrap_ratio
 from .results import RESULTS_DIR, load_runs
@@ -36,7 +39,7 @@ MODEL_COLUMNS = (("keras", "Keras 3"), ("tf_fused", "TF fused"), ("ours_converte
 MARKER = re.compile(r"^<!-- (BEGIN|END) GENERATED: (\S+) -->$")
 #: The blocks this report makes are named <prefix><machine kind slug>; blocks of other names
 #: belong to other generators and are left alone.
-BLOCK_PREFIXES = ("models-", "ops-", "layer-")
+BLOCK_PREFIXES = ("models-", "ops-", "grid-", "layer-")
 DOC_FILES = ("README.md", os.path.join("docs", "*.md"))
 
 
@@ -190,6 +193,56 @@ def ops_block(run):
     return out
 
 
+def _pct(v):
+    return "n/a" if v is None else "%.0f%%" % (100 * v)
+
+
+def grid_block(run):
+    """The grid-<slug> block's lines: the full grid per dtype, format and mode (training
+    first): cases TF oneDNN ran, the geomean and the lowest of TF oneDNN / ours (with its
+    shape), and on the large shapes (LARGE_ELEMENTS) our median and lowest fraction of the
+    bandwidth per call and, if the run had --chain, the median in the chain."""
+    groups = {}
+    for r in run["results"]:
+        groups.setdefault((r["dtype"], r["format"], r["mode"]), []).append(r)
+
+    def order(key):
+        dtype, fmt, mode = key
+        return tuple(seq.index(v) if v in seq else len(seq)
+                     for seq, v in ((DTYPES, dtype), (FORMATS, fmt), (MODES, mode)))
+
+    chained = any(r.get("chain_bw_fraction") for r in run["results"])
+    rows, every = [], []
+    for key in sorted(groups, key=order):
+        rs = groups[key]
+        ran = [r for r in rs if r.get("speedup_onednn")]
+        every += [r["speedup_onednn"] for r in ran]
+        low = min(ran, key=lambda r: r["speedup_onednn"]) if ran else None
+        large = [r for r in rs if r.get("elements", 0) >= LARGE_ELEMENTS]
+        bw = [r["bw_fraction"] for r in large if r.get("bw_fraction")]
+        row = [key[0], key[1], key[2], str(len(ran)), _x(_geomean([r["speedup_onednn"]
+                                                                 for r in ran])),
+               "%s (%s)" % (_x(low["speedup_onednn"]), "x".join(map(str, low["tensor_shape"])))
+               if low else "n/a",
+               _pct(float(np.median(bw)) if bw else None), _pct(min(bw) if bw else None)]
+        if chained:
+            cbw = [r["chain_bw_fraction"] for r in large if r.get("chain_bw_fraction")]
+            row.append(_pct(float(np.median(cbw)) if cbw else None))
+        rows.append(row)
+    head = ["dtype", "format", "mode", "cases", "TF oneDNN / ours, geomean", "lowest (shape)",
+            "%BW large, median", "%BW large, lowest"] + (["%BW(c) large, median"] if chained
+                                                         else [])
+    out = ["", run_line(run["meta"]), ""]
+    out += _table(head, rows, text_cols=3)
+    out += ["", "All %d cases TF oneDNN ran: geomean %s. Ratios: TF oneDNN's median ms / ours "
+            "(>1: ours faster), same process, interleaved; cases: those TF oneDNN ran (it "
+            "refuses some inference cases in NCHW). %%BW: 3 x elements x itemsize / our time "
+            "over the run's bandwidth, on shapes of %s+ elements; a two-pass training backward "
+            "reaches at most about 60%%." % (len(every), _x(_geomean(every)),
+                                             "{:,}".format(LARGE_ELEMENTS))]
+    return out
+
+
 def layer_block(run):
     """The layer-<slug> block's lines: the --layer summary (median over shapes of each
     contestant's ms / its partner's)."""
@@ -231,10 +284,12 @@ def blocks(runs):
         hint = ("<!-- made by `python -m fbn_grad_tf.bench report --update-docs` from "
                 "docs/results/%s/: rerun the bench with --store instead of editing -->" % slug)
         models = [r for r in rs if (r["meta"].get("result_name") or "").startswith("models-")]
-        ops = _latest(rs, "ops") or _latest(rs, "quick")
+        ops = _latest(rs, "quick") or _latest(rs, "ops")
+        grid = _latest(rs, "ops")
         layer = _latest(rs, "layer") or _latest(rs, "layer-quick")
         for prefix, lines in (("models", models and models_block(models)),
                               ("ops", ops and ops_block(ops)),
+                              ("grid", grid and grid_block(grid)),
                               ("layer", layer and layer_block(layer))):
             if lines:
                 out["%s-%s" % (prefix, slug)] = "\n".join([hint] + lines)
@@ -247,7 +302,7 @@ def report_text(runs):
     gen = blocks(runs)
     for slug, (kind, _) in kinds(runs).items():
         out += ["## %s" % kind, ""]
-        for prefix in ("models", "ops", "layer"):
+        for prefix in ("models", "ops", "grid", "layer"):
             name = "%s-%s" % (prefix, slug)
             if name in gen:
                 out += ["### %s" % name, gen[name], ""]
