@@ -143,9 +143,9 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
     // to tens of microseconds: the caller spins for up to kCloseSpin before it sleeps on
     // `done`, because sleeping and being woken costs more than that on a VM (a futex wait,
     // the helper's futex wake, the scheduler). Measured inside training steps, float32 and
-    // mixed_bfloat16 (docs/PERFORMANCE_NOTES.md, "Spin before sleeping"): the sum of our BN ops' times
-    // fell by 7-11% in ResNet50, MobileNetV2 and DenseNet121, the other ops' times unchanged;
-    // bounds of 30, 100 and 1000 us measured the same.
+    // mixed_bfloat16 (docs/PERFORMANCE_NOTES.md, "Spin before sleeping"): the sum of our BN
+    // ops' times fell by 7-11% in ResNet50, MobileNetV2 and DenseNet121, the other ops' times
+    // unchanged; bounds of 30, 100 and 1000 us measured the same.
     void Close() {
       const auto finished = [this] { return active.load(std::memory_order_acquire) == 0; };
       {

@@ -167,9 +167,9 @@ def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4
     output) is required by relu/relu6; offset (and side_input, if the forward had one) by
     swish, which recomputes z = bn(x) + side_input. For float, relu/relu6 given the offset
     and no side input recompute z too and take their mask from it (y is then not read, one
-    pass less, so y must be the forward's output for these inputs). side_input_backprop=True also returns
-    dz = y_backprop * act'(z), the gradient of the side input. relu_y=... is the older
-    spelling of activation="relu", y=relu_y.
+    pass less, so y must be the forward's output for these inputs). side_input_backprop=True
+    also returns dz = y_backprop * act'(z), the gradient of the side input. relu_y=... is the
+    older spelling of activation="relu", y=relu_y.
 
     saved_stat: what ``reserve_space_2`` holds in training mode: ``"variance"`` (TF's CPU
     forward) or ``"inv_std"`` (TF's GPU forward: 1/sqrt(var + epsilon)).
