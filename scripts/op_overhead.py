@@ -54,11 +54,8 @@ def main(argv):
                                           "op ours / TF"))
     for text in args.shapes:
         shape = cases.parse_shape(text)
-        made = cases._make_inputs(shape, args.dtype, 1234)
-        dy, x = made["dy"], made["x"]
-        if args.format == "NCHW":
-            dy, x = (tf.transpose(t, [0, 3, 1, 2]) for t in (dy, x))
-        inputs = (dy, x, made["scale"]) + made[args.mode] + (made["rs3"],)
+        inputs = cases.op_args(cases._make_inputs(shape, args.dtype, 1234), args.format,
+                               args.mode)
         steps = {}
         for who in ("ours", "tf"):
             steps[who] = contestants._tf_callable(who, inputs, 1e-3, args.format, training)

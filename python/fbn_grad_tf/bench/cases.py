@@ -127,6 +127,18 @@ def _make_inputs(shape, dtype, seed):
     }
 
 
+def op_args(inputs, fmt, mode):
+    """The backward's arguments (dy, x, scale, reserve_space_1, reserve_space_2,
+    reserve_space_3) of one case from _make_inputs' tensors: dy and x in `fmt` (transposed
+    once per format, kept in `inputs`), the batch statistics in training, the perturbed
+    population ones in inference."""
+    if fmt not in inputs:
+        inputs[fmt] = ((inputs["dy"], inputs["x"]) if fmt == "NHWC" else
+                       tuple(tf.transpose(inputs[k], [0, 3, 1, 2]) for k in ("dy", "x")))
+    rs1, rs2 = inputs[mode]
+    return inputs[fmt] + (inputs["scale"], rs1, rs2, inputs["rs3"])
+
+
 # ---- the correctness check -----------------------------------------------------------------
 
 def short_error(e):

@@ -158,6 +158,12 @@ def _geomean(vals):
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
 
+def _rank(seq, value):
+    """The position of `value` in the grid's order `seq` (DTYPES, FORMATS, MODES); a value
+    the grid lacks sorts after them."""
+    return seq.index(value) if value in seq else len(seq)
+
+
 def ops_block(run):
     """The ops-<slug> block's lines: per case (shape, format, dtype; grouped by dtype and
     format, shapes in the grid's order) ours ms and TF oneDNN / ours in training and
@@ -169,8 +175,7 @@ def ops_block(run):
         cases.setdefault(key, {})[r["mode"]] = r
     def order(key):
         dtype, fmt, shape = key
-        return (DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES),
-                FORMATS.index(fmt) if fmt in FORMATS else len(FORMATS), shape_order[shape])
+        return _rank(DTYPES, dtype), _rank(FORMATS, fmt), shape_order[shape]
 
     rows, per_mode = [], {"training": [], "inference": []}
     for key in sorted(cases, key=order):
@@ -208,8 +213,7 @@ def grid_block(run):
 
     def order(key):
         dtype, fmt, mode = key
-        return tuple(seq.index(v) if v in seq else len(seq)
-                     for seq, v in ((DTYPES, dtype), (FORMATS, fmt), (MODES, mode)))
+        return _rank(DTYPES, dtype), _rank(FORMATS, fmt), _rank(MODES, mode)
 
     chained = any(r.get("chain_bw_fraction") for r in run["results"])
     rows, every = [], []

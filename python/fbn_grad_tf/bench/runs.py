@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from .cases import (
     Config, CorrectnessError, _ITEMSIZE, _cases, _check, _error_text, _layer_check,
-    _make_inputs, _relu_check, numpy_reference, shape_str, short_error, tensor_shape)
+    _make_inputs, _relu_check, numpy_reference, op_args, shape_str, short_error, tensor_shape)
 from .timing import (
     Progress, _stats, backend_name, configure_threads, onednn_enabled, warm_up_and_time)
 from .contestants import (
@@ -60,15 +60,8 @@ def run(config=None, label=None, stream=None):
                 inputs = None  # free the previous tensors first
                 inputs = _make_inputs(shape, dtype, config.seed)
                 key = (shape, dtype)
-            if fmt not in inputs:
-                if fmt == "NHWC":
-                    inputs[fmt] = (inputs["dy"], inputs["x"])
-                else:
-                    inputs[fmt] = (tf.transpose(inputs["dy"], [0, 3, 1, 2]),
-                                   tf.transpose(inputs["x"], [0, 3, 1, 2]))
             training = mode == "training"
-            rs1, rs2 = inputs[mode]
-            args = inputs[fmt] + (inputs["scale"], rs1, rs2, inputs["rs3"])
+            args = op_args(inputs, fmt, mode)
             entry = _run_case(config, shape, dtype, fmt, mode, training, args, inputs, eps,
                               torch, case_name, threads)
             if torch_why:
