@@ -11,7 +11,8 @@
 //                                             offset and the side input)
 // * The CUDA kernels read y; the CPU kernels on float, when given the offset and no side
 //   input, recompute z as Swish does and derive the same mask from it (cpu/backward.inc),
-//   one read less.
+//   one read less; elsewhere they read the forward's activation mask when given one (below),
+//   2 bits per element instead of y.
 // NaN: act(NaN) = NaN in every mode. The Relu/Relu6 masks are selects, as TF's ReluGrad
 // and Relu6Grad: where the mask is false dz is 0 whatever dy is (inf, NaN), and a NaN y
 // gives dz = 0. Swish's derivative is arithmetic: NaN in z or dy gives NaN. Relu6's
@@ -115,6 +116,54 @@ struct ActivationOp<Activation::kSwish> {
 #endif
   }
 };
+
+#if !defined(__CUDA_ARCH__)
+// ---- the activation mask: the Relu/Relu6 mask handed from the CPU forward to its backward --
+// Where the backward would read y only for the Relu/Relu6 mask (the 16-bit types, and float
+// with a side input: see the header above and cpu/backward.inc), the CPU forward in training
+// also writes that mask, Passes(y[i]) for y as stored (rounded to T), 16 elements to a
+// 32-bit word: bit i % 16 of word i / 16, the word's high half always 0x3f80, so that every
+// word is a finite float (1.0 <= w < 1.0079): tf.debugging.enable_check_numerics() and any
+// other reader see plain numbers. The backward then reads 2 bits per element instead of y's
+// 16 or 32. The words travel in the forward's reserve_space_3 (float, otherwise empty on the
+// CPU), followed by kActivationMaskTagWords words that tie them to the element count and the
+// activation, so that a reserve_space_3 of any other origin (TF's forward, the GPU forward,
+// a user's tensor) is never taken for a mask (IsActivationMask): the backward then reads y.
+constexpr uint32_t kActivationMaskHigh = 0x3f800000u;
+constexpr int64_t kActivationMaskTagWords = 4;
+inline bool WritesActivationMask(Activation act, bool has_side_input, bool is_16bit,
+                                 bool is_training) {
+  return is_training && (act == Activation::kRelu || act == Activation::kRelu6) &&
+         (has_side_input || is_16bit);
+}
+inline int64_t ActivationMaskWords(int64_t elements) { return (elements + 15) / 16; }
+// Floats of reserve_space_3 holding the mask of `elements` elements: words, then the tag.
+inline int64_t ActivationMaskFloats(int64_t elements) {
+  return ActivationMaskWords(elements) + kActivationMaskTagWords;
+}
+// Tag word k (k < kActivationMaskTagWords) of a mask of `elements` elements for `act`.
+inline uint32_t ActivationMaskTagWord(int64_t elements, Activation act, int64_t k) {
+  const uint64_t tag = 0x46626e4d61736b00ull ^ (static_cast<uint64_t>(elements) << 8) ^
+                       static_cast<uint64_t>(act);
+  return kActivationMaskHigh | static_cast<uint32_t>((tag >> (16 * k)) & 0xffffu);
+}
+inline void SetActivationMaskTag(uint32_t* words, int64_t elements, Activation act) {
+  const int64_t n = ActivationMaskWords(elements);
+  for (int64_t k = 0; k < kActivationMaskTagWords; ++k)
+    words[n + k] = ActivationMaskTagWord(elements, act, k);
+}
+// Whether `floats` floats at p are the mask of `elements` elements for `act`.
+inline bool IsActivationMask(const void* p, int64_t floats, int64_t elements, Activation act) {
+  if (p == nullptr || elements <= 0 || floats != ActivationMaskFloats(elements)) return false;
+  const int64_t n = ActivationMaskWords(elements);
+  for (int64_t k = 0; k < kActivationMaskTagWords; ++k) {
+    uint32_t w;
+    std::memcpy(&w, static_cast<const char*>(p) + 4 * (n + k), 4);
+    if (w != ActivationMaskTagWord(elements, act, k)) return false;
+  }
+  return true;
+}
+#endif
 
 }  // namespace fbn
 

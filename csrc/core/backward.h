@@ -49,6 +49,11 @@ struct BnGradArgs {
   // Optional output (the forward had a side input): side_input_backprop = dz, written in
   // the first pass. Same shape and type as x; may be dy itself (see above), no other input.
   T* side_input_backprop = nullptr;
+  // Optional (CPU): the forward's Relu/Relu6 mask (activation.h, "the activation mask"),
+  // 16 elements per word; where given, read instead of y (unless float Relu/Relu6
+  // recomputes z). Only a mask that passed IsActivationMask may be given: the kernels read
+  // the word after the last one too (the first tag word).
+  const uint32_t* act_mask = nullptr;
 };
 
 // Validation of the backward's inputs (the one place, shared by the TF kernel and the

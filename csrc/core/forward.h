@@ -61,6 +61,11 @@ struct BnForwardArgs {
   float* batch_variance = nullptr;  // output 2
   float* saved_mean = nullptr;      // output 3, reserve_space_1
   float* saved_var = nullptr;       // output 4, reserve_space_2
+  // Optional output, CPU, Relu/Relu6 (activation.h, "the activation mask"):
+  // ActivationMaskWords(elements) words, written when given (callers give it where
+  // WritesActivationMask()); the tag words after them are the caller's to set
+  // (SetActivationMaskTag).
+  uint32_t* act_mask = nullptr;
 };
 
 // Validation of the forward's inputs (the one place, shared by the TF kernel and the

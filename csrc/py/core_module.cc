@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../core/activation.h"
 #include "../core/backward.h"
 #include "../core/forward.h"
 #if FBN_WITH_CUDA
@@ -219,14 +220,24 @@ fbn::BnForwardArgs<T> ForwardArgs(const std::vector<uintptr_t>& p) {
 void BnForwardCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
                      const std::vector<std::vector<int64_t>>& shapes, const std::string& format,
                      float epsilon, float factor, bool is_training, const std::string& activation,
-                     const std::string& saved_stat, int num_threads, const std::string& isa) {
+                     const std::string& saved_stat, int num_threads, const std::string& isa,
+                     uintptr_t act_mask) {
   const fbn::BnForwardParams params =
       ForwardParams(shapes, format, epsilon, factor, is_training, activation, saved_stat);
   const fbn::CpuIsa cpu_isa = Isa(isa);
   const fbn::ThreadRunner runner(num_threads);
+  if (act_mask != 0 && params.activation != fbn::Activation::kRelu &&
+      params.activation != fbn::Activation::kRelu6) {
+    throw py::value_error("an activation mask is written for relu and relu6 only");
+  }
   WithDtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const fbn::BnForwardArgs<T> args = ForwardArgs<T>(ptrs);
+    fbn::BnForwardArgs<T> args = ForwardArgs<T>(ptrs);
+    // act_mask: ActivationMaskFloats(elements) words (core/activation.h); tagged here.
+    args.act_mask = reinterpret_cast<uint32_t*>(act_mask);
+    if (args.act_mask != nullptr && params.shape.elements() > 0) {
+      fbn::SetActivationMaskTag(args.act_mask, params.shape.elements(), params.activation);
+    }
     py::gil_scoped_release release;
     fbn::BnForwardCpu(params, args, runner, cpu_isa);
   });
@@ -270,12 +281,23 @@ void BnGradCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& ptrs,
                   const std::vector<std::vector<int64_t>>& shapes, const std::string& format,
                   float epsilon, bool is_training, const std::string& saved_stat,
                   int num_threads, const std::string& isa, const std::string& activation,
-                  const std::vector<bool>& present) {
+                  const std::vector<bool>& present, uintptr_t act_mask, int64_t act_mask_floats) {
   const fbn::BnGradParams params =
       GradParams(shapes, format, epsilon, is_training, saved_stat, activation, present);
+  // act_mask: the forward's Relu/Relu6 mask (core/activation.h), read instead of y; as the
+  // TF op, anything that is not a mask of this many elements for this activation is refused.
+  const uint32_t* mask = reinterpret_cast<const uint32_t*>(act_mask);
+  if (mask != nullptr && !fbn::IsActivationMask(mask, act_mask_floats, params.shape.elements(),
+                                                params.activation)) {
+    throw py::value_error("act_mask is not the forward's activation mask of these " +
+                          std::to_string(params.shape.elements()) + " elements for " +
+                          fbn::ActivationName(params.activation));
+  }
   RunGradCpu(dtype, ptrs, kGradSlots, num_threads, isa,
              [&](const auto& args, const fbn::TaskRunner& runner, fbn::CpuIsa cpu_isa) {
-               fbn::BnGradCpu(params, args, runner, cpu_isa);
+               auto with_mask = args;
+               with_mask.act_mask = mask;
+               fbn::BnGradCpu(params, with_mask, runner, cpu_isa);
              });
 }
 
@@ -459,7 +481,19 @@ PYBIND11_MODULE(_core, m) {
   m.def("bn_grad_cpu_raw", &BnGradCpuRaw, py::arg("dtype"), py::arg("ptrs"), py::arg("shapes"),
         py::arg("data_format"), py::arg("epsilon"), py::arg("is_training"),
         py::arg("saved_stat"), py::arg("num_threads"), py::arg("isa"),
-        py::arg("activation") = "Identity", py::arg("present") = std::vector<bool>());
+        py::arg("activation") = "Identity", py::arg("present") = std::vector<bool>(),
+        py::arg("act_mask") = uintptr_t{0}, py::arg("act_mask_floats") = int64_t{0});
+  m.def("activation_mask_floats", &fbn::ActivationMaskFloats, py::arg("elements"),
+        "Words (float32-sized) of the forward's Relu/Relu6 mask of `elements` elements, tag "
+        "included (core/activation.h).");
+  m.def("writes_activation_mask",
+        [](const std::string& activation, bool side_input, bool is_16bit, bool is_training) {
+          return fbn::WritesActivationMask(ParseAct(activation), side_input, is_16bit,
+                                           is_training);
+        },
+        py::arg("activation"), py::arg("side_input"), py::arg("is_16bit"),
+        py::arg("is_training"),
+        "Whether the TF CPU forward hands this case's Relu/Relu6 mask to the backward.");
   m.def("validate_forward",
         [](const std::vector<std::vector<int64_t>>& shapes, const std::string& format,
            float epsilon, float factor, bool is_training, const std::string& activation) {
@@ -489,7 +523,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("bn_forward_cpu_raw", &BnForwardCpuRaw, py::arg("dtype"), py::arg("ptrs"),
         py::arg("shapes"), py::arg("data_format"), py::arg("epsilon"),
         py::arg("exponential_avg_factor"), py::arg("is_training"), py::arg("activation"),
-        py::arg("saved_stat"), py::arg("num_threads"), py::arg("isa"));
+        py::arg("saved_stat"), py::arg("num_threads"), py::arg("isa"),
+        py::arg("act_mask") = uintptr_t{0});
   m.def("cpu_supports", [](const std::string& isa) { return fbn::CpuSupports(Isa(isa)); });
   m.def("default_isa", [] { return std::string(fbn::CpuIsaName(fbn::DefaultCpuIsa())); });
   m.def("software_prefetch", [] { return fbn::SoftwarePrefetch(); },

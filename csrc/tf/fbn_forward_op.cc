@@ -15,6 +15,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
+#include "../core/activation.h"
 #include "../core/forward.h"
 #include "tf_binding.h"
 #if FBN_WITH_CUDA
@@ -83,7 +84,10 @@ the data: y = act(batch_norm(x) + side_input) (side_input optional, num_side_inp
 1, the shape and type of x). activation_mode: Identity, Relu (max(z, 0)), Relu6
 (min(max(z, 0), 6)), Swish (z * sigmoid(z), also called SiLU); NaN stays NaN. Its
 gradient is FbnGrad>FusedBatchNormGradEx, which reads y (Relu, Relu6) or recomputes z
-from x, offset and the side input (Swish).
+from x, offset and the side input (Swish). reserve_space_3 is an empty [0] tensor, except
+from the CPU kernel in training with Relu or Relu6 where that backward would read y for the
+mask (half and bfloat16; float with a side input): it then holds the mask, 16 elements per
+32-bit word (each a finite float), and tag words, and the CPU backward reads it instead.
 )doc");
 #undef FBN_FORWARD_OP_COMMON
 
@@ -115,9 +119,11 @@ class FbnForwardOpBase : public OpKernel {
  protected:
   // Validates the inputs, allocates every output and fills the call's params and pointers.
   // Returns false if ctx holds an error.
+  // act_mask (the CPU kernel): reserve_space_3 carries the Relu/Relu6 mask for the backward
+  // where WritesActivationMask() (core/activation.h), else it is the empty [0] tensor.
   template <typename T>
-  bool Prepare(OpKernelContext* ctx, fbn::SavedStat training_stat, fbn::BnForwardParams* params,
-               fbn::BnForwardArgs<typename CoreType<T>::type>* args) {
+  bool Prepare(OpKernelContext* ctx, fbn::SavedStat training_stat, bool act_mask,
+               fbn::BnForwardParams* params, fbn::BnForwardArgs<typename CoreType<T>::type>* args) {
     const Tensor& x = ctx->input(0);
     const fbn::ValidationResult v = fbn::ValidateBnForwardInputs(
         Dims(x), Dims(ctx->input(1)), Dims(ctx->input(2)), Dims(ctx->input(3)),
@@ -142,12 +148,22 @@ class FbnForwardOpBase : public OpKernel {
       return false;
     }
     const TensorShape vec({v.shape.channels});
+    const int64_t elements = v.shape.elements();
+    const bool with_mask =
+        act_mask && elements > 0 &&
+        fbn::WritesActivationMask(params_.activation, side != nullptr, sizeof(T) == 2,
+                                  params_.is_training);
+    const TensorShape rs3_shape({with_mask ? fbn::ActivationMaskFloats(elements) : 0});
     Tensor *y = nullptr, *batch_mean = nullptr, *batch_var = nullptr, *saved_mean = nullptr,
            *saved_var = nullptr, *rs3 = nullptr;
     if (!Allocate(ctx, 0, x.shape(), &y) || !Allocate(ctx, 1, vec, &batch_mean) ||
         !Allocate(ctx, 2, vec, &batch_var) || !Allocate(ctx, 3, vec, &saved_mean) ||
-        !Allocate(ctx, 4, vec, &saved_var) || !Allocate(ctx, 5, TensorShape({0}), &rs3)) {
+        !Allocate(ctx, 4, vec, &saved_var) || !Allocate(ctx, 5, rs3_shape, &rs3)) {
       return false;
+    }
+    if (with_mask) {
+      args->act_mask = reinterpret_cast<uint32_t*>(rs3->flat<float>().data());
+      fbn::SetActivationMaskTag(args->act_mask, elements, params_.activation);
     }
     *params = params_;
     params->shape = v.shape;
@@ -189,7 +205,9 @@ class FbnForwardCpuOp : public FbnForwardOpBase {
   void Compute(OpKernelContext* ctx) override {
     fbn::BnForwardParams params;
     fbn::BnForwardArgs<typename CoreType<T>::type> args;
-    if (!Prepare<T>(ctx, fbn::SavedStat::kVariance, &params, &args)) return;
+    if (!Prepare<T>(ctx, fbn::SavedStat::kVariance, /*act_mask=*/true, &params, &args)) {
+      return;
+    }
     const auto runner = IntraOpThreads(ctx);
     fbn::BnForwardCpu(params, args, runner, fbn::DefaultCpuIsa());
   }
@@ -208,7 +226,9 @@ class FbnForwardGpuOp : public FbnForwardOpBase {
   void Compute(OpKernelContext* ctx) override {
     fbn::BnForwardParams params;
     fbn::BnForwardArgs<typename CoreType<T>::type> args;
-    if (!Prepare<T>(ctx, fbn::SavedStat::kInvStd, &params, &args)) return;
+    if (!Prepare<T>(ctx, fbn::SavedStat::kInvStd, /*act_mask=*/false, &params, &args)) {
+      return;
+    }
     const size_t ws_bytes = fbn::BnForwardCudaWorkspaceBytes(params);
     LaunchOnOpStream(ctx, ws_bytes, "forward", [&](void* ws, void* stream) {
       return fbn::BnForwardCuda(params, args, ws, ws_bytes, stream);

@@ -14,6 +14,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/platform/threadpool.h"
 
+#include "../core/activation.h"
 #include "../core/backward.h"
 #include "tf_binding.h"
 #if FBN_WITH_CUDA
@@ -102,8 +103,10 @@ offset (num_offsets = 1) and side_input (num_side_inputs, the forward's) are rea
 which recomputes z. On the CPU, for float with the offset given and no side input, Relu
 and Relu6 also recompute z and take the same mask from it without reading y, so y must
 then be the forward's output for x, scale, offset and the reserve spaces (as it is in the
-registered gradient). side_input_backprop (num_side_inputs outputs) is dz, the gradient of
-batch_norm(x) + side_input.
+registered gradient). Where reserve_space_3 is that forward's Relu/Relu6 mask (its CPU
+kernel writes one where this backward would read y), the CPU kernel reads the mask instead
+of y; any other reserve_space_3 is ignored. side_input_backprop (num_side_inputs outputs)
+is dz, the gradient of batch_norm(x) + side_input.
 )doc");
 #undef FBN_GRAD_OP_COMMON
 
@@ -261,7 +264,16 @@ class FbnGradCpuOp : public FbnGradOpBase {
     Prepared p;
     if (!Prepare(ctx, fbn::SavedStat::kVariance, &p)) return;
     const auto runner = IntraOpThreads(ctx);
-    fbn::BnGradCpu(p.params, Args<T>(ctx, &p), runner, fbn::DefaultCpuIsa());
+    auto args = Args<T>(ctx, &p);
+    // GradEx: reserve_space_3 from our CPU forward may carry its Relu/Relu6 mask
+    // (core/activation.h), read instead of y; anything else there is ignored, as before.
+    const Tensor& rs3 = ctx->input(5);
+    if (p.y != nullptr && rs3.dtype() == tensorflow::DT_FLOAT &&
+        fbn::IsActivationMask(rs3.tensor_data().data(), rs3.NumElements(),
+                              p.params.shape.elements(), p.params.activation)) {
+      args.act_mask = reinterpret_cast<const uint32_t*>(rs3.tensor_data().data());
+    }
+    fbn::BnGradCpu(p.params, args, runner, fbn::DefaultCpuIsa());
   }
 };
 

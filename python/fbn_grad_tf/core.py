@@ -83,7 +83,7 @@ def _threads(num_threads):
 def bn_forward(x, scale, offset, mean=None, variance=None, epsilon=1e-4,
                exponential_avg_factor=1.0, data_format="NHWC", is_training=True,
                activation=None, saved_stat="variance", num_threads=0, isa="auto",
-               side_input=None):
+               side_input=None, return_act_mask=False):
     """Batch-norm forward of FusedBatchNormV3 on arrays.
 
     Returns ``(y, batch_mean, batch_variance, saved_mean, saved_var)``: batch_variance is
@@ -95,8 +95,14 @@ def bn_forward(x, scale, offset, mean=None, variance=None, epsilon=1e-4,
     side_input, activation (fused, FusedBatchNormEx): y = act(bn(x) + side_input);
     activation None, "relu", "relu6", "swish" (= "silu"); side_input None or an array of
     x's shape and dtype.
+    return_act_mask=True (relu, relu6; CPU): also returns, last, the activation mask that
+    the TF CPU forward hands its backward in reserve_space_3 (16 elements per 32-bit word,
+    then a tag; csrc/core/activation.h), for bn_grad(act_mask=...).
     """
     mode = _activation_mode(activation)
+    if return_act_mask and (mode not in ("Relu", "Relu6") or _is_device_array(x)):
+        raise ValueError("return_act_mask: the activation mask is written by the CPU forward "
+                         "of relu and relu6 only")
     if _is_device_array(x):
         return _bn_forward_device(x, scale, offset, mean, variance, epsilon,
                                   exponential_avg_factor, data_format, is_training, mode,
@@ -114,10 +120,13 @@ def bn_forward(x, scale, offset, mean=None, variance=None, epsilon=1e-4,
     stats = [np.empty(channels, np.float32) for _ in range(4)]
     ptrs = [a.ctypes.data if a.size else 0 for a in (xx, *vecs)] + [y.ctypes.data] + [
         a.ctypes.data for a in stats] + ([] if side is None else [side.ctypes.data])
+    mask = (np.empty(_core.activation_mask_floats(int(xx.size)), np.uint32)
+            if return_act_mask else None)
     _core.bn_forward_cpu_raw(dtype, ptrs, shapes, data_format, float(epsilon),
                              float(exponential_avg_factor), bool(is_training), mode, saved_stat,
-                             int(_threads(num_threads)), isa)
-    return (y, *stats)
+                             int(_threads(num_threads)), isa,
+                             act_mask=0 if mask is None else mask.ctypes.data)
+    return (y, *stats) + (() if mask is None else (mask,))
 
 
 def _bn_forward_device(x, scale, offset, mean, variance, epsilon, factor, data_format,
@@ -156,7 +165,7 @@ def _bn_forward_device(x, scale, offset, mean, variance, epsilon, factor, data_f
 def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4,
             data_format="NHWC", is_training=True, saved_stat="variance", num_threads=0,
             isa="auto", relu_y=None, activation=None, y=None, offset=None, side_input=None,
-            side_input_backprop=False):
+            side_input_backprop=False, act_mask=None):
     """Batch-norm backward of FusedBatchNormGradV3 on arrays.
 
     Returns ``(x_backprop, scale_backprop, offset_backprop)``, plus ``side_input_backprop``
@@ -169,7 +178,10 @@ def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4
     and no side input recompute z too and take their mask from it (y is then not read, one
     pass less, so y must be the forward's output for these inputs). side_input_backprop=True
     also returns dz = y_backprop * act'(z), the gradient of the side input. relu_y=... is the
-    older spelling of activation="relu", y=relu_y.
+    older spelling of activation="relu", y=relu_y. act_mask (relu/relu6, CPU): the forward's
+    activation mask (bn_forward(return_act_mask=True)), read instead of y where the kernels
+    would read y; ValueError if it is not the mask of x's elements for this activation. The
+    device path reads y.
 
     saved_stat: what ``reserve_space_2`` holds in training mode: ``"variance"`` (TF's CPU
     forward) or ``"inv_std"`` (TF's GPU forward: 1/sqrt(var + epsilon)).
@@ -192,6 +204,12 @@ def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4
     vecs = [np.require(v, dtype=np.float32, requirements="C")
             for v in (scale, reserve_space_1, reserve_space_2)]
     _dtype_name(xx.dtype)  # raises TypeError for a dtype the kernels lack
+    if act_mask is not None:
+        act_mask = np.require(act_mask, requirements="C")
+        if act_mask.dtype.itemsize != 4 or act_mask.ndim != 1:
+            raise TypeError("act_mask must be the forward's 1-D mask of 32-bit words "
+                            "(bn_forward(return_act_mask=True), or the TF forward's "
+                            "reserve_space_3)")
     if dy.dtype != xx.dtype:
         raise TypeError("y_backprop and x must have the same dtype, got %s and %s"
                         % (dy.dtype, xx.dtype))
@@ -208,12 +226,12 @@ def bn_grad(y_backprop, x, scale, reserve_space_1, reserve_space_2, epsilon=1e-4
     if num_threads <= 0:
         num_threads = os.cpu_count() or 1
     _bn_grad_cpu(dy, xx, vecs, extra, out, data_format, epsilon, is_training, saved_stat,
-                 num_threads, isa, mode)
+                 num_threads, isa, mode, act_mask)
     return out if side_input_backprop else out[:3]
 
 
 def _bn_grad_cpu(dy, xx, vecs, extra, out, data_format, epsilon, is_training, saved_stat,
-                 num_threads, isa, mode):
+                 num_threads, isa, mode, act_mask=None):
     """The raw CPU call of bn_grad, on checked C-contiguous arrays: vecs = [scale, rs1, rs2];
     extra = None (the plain backward) or [y, offset, side_input] (None where absent); out =
     (dx, dscale, doffset, side_input_backprop or None). dx may be dy or xx itself and
@@ -228,7 +246,9 @@ def _bn_grad_cpu(dy, xx, vecs, extra, out, data_format, epsilon, is_training, sa
         ptrs.append(0 if dside is None else dside.ctypes.data)
         present = [a is not None for a in extra] + [dside is not None]
     _core.bn_grad_cpu_raw(_dtype_name(xx.dtype), ptrs, shapes, data_format, float(epsilon),
-                          bool(is_training), saved_stat, int(num_threads), isa, mode, present)
+                          bool(is_training), saved_stat, int(num_threads), isa, mode, present,
+                          act_mask=0 if act_mask is None else act_mask.ctypes.data,
+                          act_mask_floats=0 if act_mask is None else act_mask.size)
 
 
 def _bn_grad_device(dy, x, scale, rs1, rs2, epsilon, data_format, is_training, saved_stat,
