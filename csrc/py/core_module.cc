@@ -488,8 +488,8 @@ PYBIND11_MODULE(_core, m) {
         "included (core/activation.h).");
   m.def("writes_activation_mask",
         [](const std::string& activation, bool side_input, bool is_16bit, bool is_training) {
-          return fbn::WritesActivationMask(ParseAct(activation), side_input, is_16bit,
-                                           is_training);
+          return fbn::CpuForwardWritesActivationMask(ParseAct(activation), side_input,
+                                                     is_16bit, is_training);
         },
         py::arg("activation"), py::arg("side_input"), py::arg("is_16bit"),
         py::arg("is_training"),

@@ -85,9 +85,10 @@ the data: y = act(batch_norm(x) + side_input) (side_input optional, num_side_inp
 (min(max(z, 0), 6)), Swish (z * sigmoid(z), also called SiLU); NaN stays NaN. Its
 gradient is FbnGrad>FusedBatchNormGradEx, which reads y (Relu, Relu6) or recomputes z
 from x, offset and the side input (Swish). reserve_space_3 is an empty [0] tensor, except
-from the CPU kernel in training with Relu or Relu6 where that backward would read y for the
-mask (half and bfloat16; float with a side input): it then holds the mask, 16 elements per
-32-bit word (each a finite float), and tag words, and the CPU backward reads it instead.
+from the CPU kernel on AVX-512 CPUs in training with Relu or Relu6 where that backward would
+read y for the mask (half and bfloat16; float with a side input): it then holds the mask,
+16 elements per 32-bit word (each a finite float), and tag words, and the CPU backward reads
+it instead.
 )doc");
 #undef FBN_FORWARD_OP_COMMON
 
@@ -120,7 +121,7 @@ class FbnForwardOpBase : public OpKernel {
   // Validates the inputs, allocates every output and fills the call's params and pointers.
   // Returns false if ctx holds an error.
   // act_mask (the CPU kernel): reserve_space_3 carries the Relu/Relu6 mask for the backward
-  // where WritesActivationMask() (core/activation.h), else it is the empty [0] tensor.
+  // where CpuForwardWritesActivationMask() (core/forward.h), else it is the empty [0] tensor.
   template <typename T>
   bool Prepare(OpKernelContext* ctx, fbn::SavedStat training_stat, bool act_mask,
                fbn::BnForwardParams* params, fbn::BnForwardArgs<typename CoreType<T>::type>* args) {
@@ -151,8 +152,8 @@ class FbnForwardOpBase : public OpKernel {
     const int64_t elements = v.shape.elements();
     const bool with_mask =
         act_mask && elements > 0 &&
-        fbn::WritesActivationMask(params_.activation, side != nullptr, sizeof(T) == 2,
-                                  params_.is_training);
+        fbn::CpuForwardWritesActivationMask(params_.activation, side != nullptr,
+                                            sizeof(T) == 2, params_.is_training);
     const TensorShape rs3_shape({with_mask ? fbn::ActivationMaskFloats(elements) : 0});
     Tensor *y = nullptr, *batch_mean = nullptr, *batch_var = nullptr, *saved_mean = nullptr,
            *saved_var = nullptr, *rs3 = nullptr;
