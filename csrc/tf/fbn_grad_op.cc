@@ -268,7 +268,7 @@ class FbnGradCpuOp : public FbnGradOpBase {
     // GradEx: reserve_space_3 from our CPU forward may carry its Relu/Relu6 mask
     // (core/activation.h), read instead of y; anything else there is ignored, as before.
     const Tensor& rs3 = ctx->input(5);
-    if (p.y != nullptr && rs3.dtype() == tensorflow::DT_FLOAT &&
+    if (p.y != nullptr &&
         fbn::IsActivationMask(rs3.tensor_data().data(), rs3.NumElements(),
                               p.params.shape.elements(), p.params.activation)) {
       args.act_mask = reinterpret_cast<const uint32_t*>(rs3.tensor_data().data());
