@@ -85,10 +85,10 @@ the data: y = act(batch_norm(x) + side_input) (side_input optional, num_side_inp
 (min(max(z, 0), 6)), Swish (z * sigmoid(z), also called SiLU); NaN stays NaN. Its
 gradient is FbnGrad>FusedBatchNormGradEx, which reads y (Relu, Relu6) or recomputes z
 from x, offset and the side input (Swish). reserve_space_3 is an empty [0] tensor, except
-from the CPU kernel on AVX-512 CPUs in training with Relu or Relu6 where that backward would
-read y for the mask (half and bfloat16; float with a side input): it then holds the mask,
-16 elements per 32-bit word (each a finite float), and tag words, and the CPU backward reads
-it instead.
+from the CPU kernel on AVX2 or AVX-512 CPUs in training with Relu or Relu6 where that
+backward would read y for the mask (half and bfloat16; float with a side input): it then
+holds the mask, 16 elements per 32-bit word (each a finite float), and tag words, and the
+CPU backward reads it instead.
 )doc");
 #undef FBN_FORWARD_OP_COMMON
 

@@ -145,9 +145,9 @@ def fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon=0.0001,
 
     Returns FusedBatchNormOutputs(y, batch_mean, batch_variance, reserve_space_1,
     reserve_space_2, reserve_space_3); reserve_space_3 is an empty [0] tensor, except from
-    the CPU kernel (AVX-512 CPUs) in training with relu/relu6 where its backward would read y
-    for the mask (the 16-bit types; float with a side input): it then holds that mask, 16
-    elements per finite float word plus tag words, which the fused backward reads instead.
+    the CPU kernel (AVX2 or AVX-512 CPUs) in training with relu/relu6 where its backward would
+    read y for the mask (the 16-bit types; float with a side input): it then holds that mask,
+    16 elements per finite float word plus tag words, which the fused backward reads instead.
     """
     data_format = _check_data_format(data_format)
     epsilon = _check_epsilon(epsilon)
