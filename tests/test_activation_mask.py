@@ -184,3 +184,37 @@ def test_inference_and_other_activations_leave_reserve_space_3_empty():
                                         side_input=[tf.constant(inp["side"])], epsilon=EPS,
                                         is_training=training, activation_mode=mode)
         assert fwd[5].shape == (0,), (training, mode)
+
+
+# Which CPU paths the TF forward writes the mask on: the ones that build and read its words
+# with vector loops (AVX2, AVX-512), not the baseline's scalar loops. The path is chosen once
+# per process (FBN_GRAD_TF_ISA), so each is asked in a child process.
+POLICY_CHILD = r"""
+import sys
+import numpy as np
+import tensorflow as tf
+from fbn_grad_tf import _core, _loader, core
+x = tf.constant(np.random.default_rng(0).standard_normal((2, 3, 5, 37)), tf.bfloat16)
+c = tf.ones([37])
+fwd = _loader.raw_forward_ex_op(x=x, scale=c, offset=c, mean=tf.zeros([0]),
+                                variance=tf.zeros([0]), side_input=[], epsilon=1e-3,
+                                is_training=True, activation_mode="Relu")
+print(core.default_isa(), int(_core.writes_activation_mask("Relu", False, True, True)),
+      int(fwd[5].shape[0]))
+"""
+
+
+@pytest.mark.parametrize("isa,writes", [("baseline", False), ("avx2", True), ("avx512", True)])
+def test_tf_forward_writes_the_mask_on_the_vector_paths(isa, writes):
+    import subprocess
+    import sys
+    from helpers import subprocess_env
+    if not core.cpu_supports(isa):
+        pytest.skip("this CPU cannot run the %s path" % isa)
+    out = subprocess.run([sys.executable, "-c", POLICY_CHILD], capture_output=True, text=True,
+                         env=subprocess_env(FBN_GRAD_TF_ISA=isa), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got_isa, policy, rs3_floats = out.stdout.split()[-3:]
+    assert got_isa == isa
+    assert bool(int(policy)) == writes
+    assert int(rs3_floats) == (_core.activation_mask_floats(2 * 3 * 5 * 37) if writes else 0)
