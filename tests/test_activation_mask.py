@@ -3,12 +3,15 @@ writes into reserve_space_3 and the fused backward reads instead of y. The mask 
 bitwise the backward of the y path, on every ISA path and thread count; a reserve_space_3 that
 is not such a mask must be ignored (TF op) or refused (core); every word must be a finite
 float."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from fbn_grad_tf import _core, _loader, core
-from helpers import assert_bitwise_equal, np_dtype
+from helpers import assert_bitwise_equal, np_dtype, subprocess_env
 
 EPS = 1e-3
 MODE = {"relu": "Relu", "relu6": "Relu6"}
@@ -190,7 +193,6 @@ def test_inference_and_other_activations_leave_reserve_space_3_empty():
 # with vector loops (AVX2, AVX-512), not the baseline's scalar loops. The path is chosen once
 # per process (FBN_GRAD_TF_ISA), so each is asked in a child process.
 POLICY_CHILD = r"""
-import sys
 import numpy as np
 import tensorflow as tf
 from fbn_grad_tf import _core, _loader, core
@@ -206,9 +208,6 @@ print(core.default_isa(), int(_core.writes_activation_mask("Relu", False, True, 
 
 @pytest.mark.parametrize("isa,writes", [("baseline", False), ("avx2", True), ("avx512", True)])
 def test_tf_forward_writes_the_mask_on_the_vector_paths(isa, writes):
-    import subprocess
-    import sys
-    from helpers import subprocess_env
     if not core.cpu_supports(isa):
         pytest.skip("this CPU cannot run the %s path" % isa)
     out = subprocess.run([sys.executable, "-c", POLICY_CHILD], capture_output=True, text=True,
