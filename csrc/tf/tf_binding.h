@@ -186,7 +186,8 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
   // caller is done, and the call runs on one thread. One spare closure wakes a second pool
   // thread, and whichever starts first joins. Measured inside training steps (Intel Xeon,
   // paired A/B, docs/PERFORMANCE_NOTES.md, "A spare helper"): our BN ops 0.93-0.96x the
-  // time in ResNet50, MobileNetV2 and DenseNet121 float32, the other ops unchanged.
+  // time in ResNet50, MobileNetV2 and DenseNet121 (float32 and mixed_bfloat16), the other
+  // ops unchanged.
   static constexpr int64_t kSpareHelpers = 1;
 
   tensorflow::thread::ThreadPool* pool_;
