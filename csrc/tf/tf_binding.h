@@ -88,17 +88,15 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
     // all our ops in the process, so two of our ops that TF runs at once get one thread each
     // instead of four threads fighting for two cores (helpers of a busy budget never join).
     const int busy_before = BusyWorkers().fetch_add(1, std::memory_order_relaxed);
-    // One helper more than the budget has room for (kSpareHelpers): the first ones to start
-    // join, the rest find the budget full or the blocks claimed and return.
-    for (int64_t i = 1 + busy_before - kSpareHelpers; i < threads; ++i) {
-      pool_->Schedule([claim] {
-        if (claim->Join()) {
-          claim->Drain();
-          claim->Leave();
-        }
-      });
-    }
-    claim->Drain();
+    const auto helper = [claim] {
+      if (claim->Join()) {
+        claim->Drain();
+        claim->Leave();
+      }
+    };
+    for (int64_t i = 1 + busy_before; i < threads; ++i) pool_->Schedule(helper);
+    // The caller works, and schedules one spare helper if none has joined by kSpareDelay.
+    claim->DrainCaller(kSpareDelay, [&] { pool_->Schedule(helper); });
     BusyWorkers().fetch_sub(1, std::memory_order_relaxed);
     claim->Close();
   }
@@ -115,6 +113,24 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
         const int64_t b = next.fetch_add(block, std::memory_order_relaxed);
         if (b >= num_tasks) return;
         (*fn)(b, std::min(num_tasks, b + block));
+      }
+    }
+    // The caller's Drain: also schedules the spare helper (on_late) once, after a block that
+    // ends `delay` or more after the start with no helper joined.
+    template <typename OnLate>
+    void DrainCaller(std::chrono::microseconds delay, OnLate&& on_late) {
+      const auto start = std::chrono::steady_clock::now();
+      bool spared = false;
+      for (;;) {
+        const int64_t b = next.fetch_add(block, std::memory_order_relaxed);
+        if (b >= num_tasks) return;
+        (*fn)(b, std::min(num_tasks, b + block));
+        if (!spared && active.load(std::memory_order_relaxed) == 0 &&
+            next.load(std::memory_order_relaxed) < num_tasks &&
+            std::chrono::steady_clock::now() - start >= delay) {
+          spared = true;
+          on_late();
+        }
       }
     }
     // A helper may take part only while the caller has not closed the claim (fn is valid
@@ -181,14 +197,17 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
   // How long a caller spins for its helpers before it sleeps (Claim::Close).
   static constexpr std::chrono::microseconds kCloseSpin{100};
 
-  // Helpers scheduled beyond the budget's room. A woken pool thread can be placed on the
-  // caller's CPU while another thread holds the other core; it then starts only when the
-  // caller is done, and the call runs on one thread. One spare closure wakes a second pool
-  // thread, and whichever starts first joins. Measured inside training steps (Intel Xeon,
-  // paired A/B, docs/PERFORMANCE_NOTES.md, "A spare helper"): our BN ops 0.93-0.96x the
-  // time in ResNet50, MobileNetV2 and DenseNet121 (float32 and mixed_bfloat16), the other
-  // ops unchanged.
-  static constexpr int64_t kSpareHelpers = 1;
+  // When the caller schedules a spare helper (Claim::DrainCaller). A woken pool thread can
+  // be placed on the caller's CPU while another thread holds the other core; it then starts
+  // only when the caller is done, and the call runs on one thread. A spare closure wakes a
+  // second pool thread, and whichever starts first joins. Scheduled at once, the spare made
+  // our BN ops 0.93-0.96x the time inside ResNet50, MobileNetV2 and DenseNet121 training
+  // steps, but on an idle machine it woke a thread with nothing to do, which then spun beside
+  // the caller and its helper: `bench --layer` TF fused / ours 1.34-1.46x against 1.57-1.65x
+  // without it. Scheduled only when no helper has joined within 50 us: --layer 1.71-1.75x,
+  // and inside the models 0.98-1.02x of the spare at once (Intel Xeon, paired A/B,
+  // docs/PERFORMANCE_NOTES.md, "A spare helper").
+  static constexpr std::chrono::microseconds kSpareDelay{50};
 
   tensorflow::thread::ThreadPool* pool_;
 };
