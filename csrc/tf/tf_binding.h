@@ -95,8 +95,18 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
       }
     };
     for (int64_t i = 1 + busy_before; i < threads; ++i) pool_->Schedule(helper);
-    // The caller works, and schedules one spare helper if none has joined by kSpareDelay.
-    claim->DrainCaller(kSpareDelay, [&] { pool_->Schedule(helper); });
+    // The caller works; between its blocks it schedules one spare helper, once, if none has
+    // joined kSpareDelay after the start and blocks are left.
+    const auto start = std::chrono::steady_clock::now();
+    bool spared = false;
+    claim->Drain([&] {
+      if (spared || claim->active.load(std::memory_order_relaxed) != 0 ||
+          claim->next.load(std::memory_order_relaxed) >= num_tasks ||
+          std::chrono::steady_clock::now() - start < kSpareDelay)
+        return;
+      spared = true;
+      pool_->Schedule(helper);
+    });
     BusyWorkers().fetch_sub(1, std::memory_order_relaxed);
     claim->Close();
   }
@@ -107,31 +117,18 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
   struct Claim {
     Claim(int64_t n, int64_t b, const std::function<void(int64_t, int64_t)>* f, int w)
         : num_tasks(n), block(b), fn(f), max_workers(w) {}
-    // Runs blocks until none is left.
-    void Drain() {
+    // Runs blocks until none is left, calling after_block() after each.
+    template <typename AfterBlock>
+    void Drain(AfterBlock&& after_block) {
       for (;;) {
         const int64_t b = next.fetch_add(block, std::memory_order_relaxed);
         if (b >= num_tasks) return;
         (*fn)(b, std::min(num_tasks, b + block));
+        after_block();
       }
     }
-    // The caller's Drain: also schedules the spare helper (on_late) once, after a block that
-    // ends `delay` or more after the start with no helper joined.
-    template <typename OnLate>
-    void DrainCaller(std::chrono::microseconds delay, OnLate&& on_late) {
-      const auto start = std::chrono::steady_clock::now();
-      bool spared = false;
-      for (;;) {
-        const int64_t b = next.fetch_add(block, std::memory_order_relaxed);
-        if (b >= num_tasks) return;
-        (*fn)(b, std::min(num_tasks, b + block));
-        if (!spared && active.load(std::memory_order_relaxed) == 0 &&
-            next.load(std::memory_order_relaxed) < num_tasks &&
-            std::chrono::steady_clock::now() - start >= delay) {
-          spared = true;
-          on_late();
-        }
-      }
+    void Drain() {
+      Drain([] {});
     }
     // A helper may take part only while the caller has not closed the claim (fn is valid
     // until Close returns).
@@ -197,7 +194,7 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
   // How long a caller spins for its helpers before it sleeps (Claim::Close).
   static constexpr std::chrono::microseconds kCloseSpin{100};
 
-  // When the caller schedules a spare helper (Claim::DrainCaller). A woken pool thread can
+  // When the caller schedules a spare helper (Run). A woken pool thread can
   // be placed on the caller's CPU while another thread holds the other core; it then starts
   // only when the caller is done, and the call runs on one thread. A spare closure wakes a
   // second pool thread, and whichever starts first joins. Scheduled at once, the spare made
