@@ -301,13 +301,7 @@ __global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
   Raw* dx = static_cast<Raw*>(p.dx);
   Raw* side_bp = kSums ? static_cast<Raw*>(p.side_bp) : nullptr;
   const bool aligned = p.aligned != 0;
-  const int64_t C = p.C;
-  const int64_t inner_v = p.inner / VEC;        // vector units per (outer, channel) run
-  const int64_t m_v = p.M / VEC;                // vector units per channel
-  const int64_t chunk_v = p.chunk / VEC;        // vector units per chunk
-  const int64_t step_o = kThreads / inner_v;    // advance of the thread's unit index j by
-  const int64_t step_i = kThreads % inner_v;    //   kThreads, as (outer, inner) steps
-  const int64_t stride_o = C * p.inner;         // elements between consecutive outer
+  const ChannelsFirstUnits<VEC> units(p.C, p.inner, p.M, p.chunk);
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -315,7 +309,6 @@ __global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
   for (int64_t b = blockIdx.x; b < p.nblocks; b += gridDim.x) {
     const int64_t c = b / p.G;
     const int64_t g = b % p.G;
-    const int64_t j_end = min(m_v, (g + 1) * chunk_v);
     float mean, ca, cb, cq, zk, zb;
     ChannelCoefs<kMode, kNeedsZ>(p, c, mean, ca, cb, cq, zk, zb);
     float mean_v[VEC], zk_v[VEC], zb_v[VEC];  // LoadDzX's per-element form
@@ -329,24 +322,11 @@ __global__ void __launch_bounds__(kThreads) PassChannelsFirst(const KParams p) {
     Raw* dxc = dx + base_c;
 
     float s1 = 0.f, s2 = 0.f;
-    int64_t j = g * chunk_v + tid;
-    int64_t o = j / inner_v;
-    int64_t iv = j - o * inner_v;
-    while (j < j_end) {
+    typename ChannelsFirstUnits<VEC>::Cursor at = units.Start(g, tid);
+    while (at.More()) {
       int64_t offs[U];
       bool valid[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        valid[u] = j < j_end;
-        offs[u] = o * stride_o + iv * VEC;
-        j += kThreads;
-        iv += step_i;
-        o += step_o;
-        if (iv >= inner_v) {
-          iv -= inner_v;
-          ++o;
-        }
-      }
+      units.Next(at, offs, valid);
       float fdy[U][VEC], fx[U][VEC];
 #pragma unroll
       for (int u = 0; u < U; ++u) {

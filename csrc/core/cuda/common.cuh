@@ -136,6 +136,66 @@ __device__ __forceinline__ float WarpSum(float s) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Channels-first walk over one chunk of one channel ([outer, C, inner], inner % VEC == 0).
+// A unit is VEC consecutive elements of an (outer, channel) run; unit j of the channel is
+// at outer j / inner_v, inner unit j % inner_v. A thread visits the chunk's units tid,
+// tid + kThreads, ...; its cursor keeps (outer, inner unit) and steps both, so no step
+// divides. Shared by the backward's pass and the forward's statistics and apply.
+template <int VEC>
+struct ChannelsFirstUnits {
+  int64_t inner_v;   // units per (outer, channel) run
+  int64_t m_v;       // units per channel
+  int64_t chunk_v;   // units per chunk
+  int64_t step_o;    // a unit index's advance by kThreads,
+  int64_t step_i;    //   as (outer, inner unit) steps
+  int64_t stride_o;  // elements between consecutive outer
+
+  struct Cursor {
+    int64_t j, j_end, o, iv;  // unit index, end of the chunk, its (outer, inner unit)
+    __device__ __forceinline__ bool More() const { return j < j_end; }
+  };
+
+  // C, inner: the shape; M, chunk: elements per channel and per chunk (ChunkPlan).
+  __device__ __forceinline__ ChannelsFirstUnits(int64_t C, int64_t inner, int64_t M,
+                                                int64_t chunk)
+      : inner_v(inner / VEC),
+        m_v(M / VEC),
+        chunk_v(chunk / VEC),
+        step_o(kThreads / (inner / VEC)),
+        step_i(kThreads % (inner / VEC)),
+        stride_o(C * inner) {}
+
+  // Thread tid's first unit of chunk g.
+  __device__ __forceinline__ Cursor Start(int64_t g, int tid) const {
+    Cursor at;
+    at.j = g * chunk_v + tid;
+    at.j_end = min(m_v, (g + 1) * chunk_v);
+    at.o = at.j / inner_v;
+    at.iv = at.j - at.o * inner_v;
+    return at;
+  }
+
+  // The cursor's next U units: offs[u], the unit's element offset from the channel's
+  // first element (outer 0, inner 0); valid[u], whether it is still in the chunk. Moves
+  // the cursor past them.
+  template <int U>
+  __device__ __forceinline__ void Next(Cursor& at, int64_t (&offs)[U], bool (&valid)[U]) const {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      valid[u] = at.j < at.j_end;
+      offs[u] = at.o * stride_o + at.iv * VEC;
+      at.j += kThreads;
+      at.iv += step_i;
+      at.o += step_o;
+      if (at.iv >= inner_v) {
+        at.iv -= inner_v;
+        ++at.o;
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------
 // Host side: chunking, a function of the shape alone (not of T, the device or the
 // pointers), so every reduction order is fixed by the shape. See docs/GPU.md.
 struct ChunkPlan {

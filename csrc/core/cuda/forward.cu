@@ -254,12 +254,7 @@ __global__ void __launch_bounds__(kThreads) StatsChannelsFirst(const FParams p) 
 
   const Raw* __restrict__ x = static_cast<const Raw*>(p.x);
   const bool aligned = p.aligned != 0;
-  const int64_t inner_v = p.inner / VEC;      // vector units per (outer, channel) run
-  const int64_t m_v = p.M / VEC;              // vector units per channel
-  const int64_t chunk_v = p.chunk / VEC;      // vector units per chunk
-  const int64_t step_o = kThreads / inner_v;  // advance of the thread's unit index j by
-  const int64_t step_i = kThreads % inner_v;  //   kThreads, as (outer, inner) steps
-  const int64_t stride_o = p.C * p.inner;     // elements between consecutive outer
+  const ChannelsFirstUnits<VEC> units(p.C, p.inner, p.M, p.chunk);
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -267,7 +262,6 @@ __global__ void __launch_bounds__(kThreads) StatsChannelsFirst(const FParams p) 
   for (int64_t b = blockIdx.x; b < p.nblocks; b += gridDim.x) {
     const int64_t c = b / p.G;
     const int64_t g = b % p.G;
-    const int64_t j_end = min(m_v, (g + 1) * chunk_v);
     const Raw* xc = x + c * p.inner;
     const float piv = Pivot(Dev<T>::ToF(__ldg(xc)));
 
@@ -275,24 +269,11 @@ __global__ void __launch_bounds__(kThreads) StatsChannelsFirst(const FParams p) 
 #pragma unroll
     for (int v = 0; v < VEC; ++v) m[v] = q[v] = 0.f;
     int n = 0;  // units (each unit gives one element to each of the VEC accumulators)
-    int64_t j = g * chunk_v + tid;
-    int64_t o = j / inner_v;
-    int64_t iv = j - o * inner_v;
-    while (j < j_end) {
+    typename ChannelsFirstUnits<VEC>::Cursor at = units.Start(g, tid);
+    while (at.More()) {
       int64_t offs[U];
       bool valid[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        valid[u] = j < j_end;
-        offs[u] = o * stride_o + iv * VEC;
-        j += kThreads;
-        iv += step_i;
-        o += step_o;
-        if (iv >= inner_v) {
-          iv -= inner_v;
-          ++o;
-        }
-      }
+      units.Next(at, offs, valid);
       float fx[U][VEC];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -485,18 +466,12 @@ __global__ void __launch_bounds__(kThreads) ApplyChannelsFirst(const FParams p) 
   const Raw* __restrict__ side = static_cast<const Raw*>(p.side);
   Raw* __restrict__ y = static_cast<Raw*>(p.y);
   const bool aligned = p.aligned != 0;
-  const int64_t inner_v = p.inner / VEC;
-  const int64_t m_v = p.M / VEC;
-  const int64_t chunk_v = p.chunk / VEC;
-  const int64_t step_o = kThreads / inner_v;
-  const int64_t step_i = kThreads % inner_v;
-  const int64_t stride_o = p.C * p.inner;
+  const ChannelsFirstUnits<VEC> units(p.C, p.inner, p.M, p.chunk);
   const int tid = static_cast<int>(threadIdx.x);
 
   for (int64_t b = blockIdx.x; b < p.nblocks; b += gridDim.x) {
     const int64_t c = b / p.G;
     const int64_t g = b % p.G;
-    const int64_t j_end = min(m_v, (g + 1) * chunk_v);
     const float mean = p.coef_mean[c];
     const float k = p.coef_k[c];
     const float off = p.offset[c];
@@ -504,24 +479,11 @@ __global__ void __launch_bounds__(kThreads) ApplyChannelsFirst(const FParams p) 
     const Raw* sc = kSide ? side + c * p.inner : nullptr;
     Raw* yc = y + c * p.inner;
 
-    int64_t j = g * chunk_v + tid;
-    int64_t o = j / inner_v;
-    int64_t iv = j - o * inner_v;
-    while (j < j_end) {
+    typename ChannelsFirstUnits<VEC>::Cursor at = units.Start(g, tid);
+    while (at.More()) {
       int64_t offs[U];
       bool valid[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        valid[u] = j < j_end;
-        offs[u] = o * stride_o + iv * VEC;
-        j += kThreads;
-        iv += step_i;
-        o += step_o;
-        if (iv >= inner_v) {
-          iv -= inner_v;
-          ++o;
-        }
-      }
+      units.Next(at, offs, valid);
       float fx[U][VEC], fs[U][VEC];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
