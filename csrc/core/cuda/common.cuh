@@ -161,8 +161,8 @@ struct ChannelsFirstUnits {
       : inner_v(inner / VEC),
         m_v(M / VEC),
         chunk_v(chunk / VEC),
-        step_o(kThreads / (inner / VEC)),
-        step_i(kThreads % (inner / VEC)),
+        step_o(kThreads / inner_v),  // (members are initialized in declaration order)
+        step_i(kThreads % inner_v),
         stride_o(C * inner) {}
 
   // Thread tid's first unit of chunk g.
