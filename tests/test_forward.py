@@ -294,6 +294,7 @@ def test_relu_keeps_nan_and_masks_nan_gradient():
      "variance must have 3 elements"),
     (dict(epsilon=-1.0), "epsilon"),
     (dict(exponential_avg_factor=float("nan")), "exponential_avg_factor"),
+    (dict(mean=np.zeros((3, 1), np.float32)), "mean must be 1-dimensional"),
 ])
 def test_bad_inputs_raise_clear_errors(bad, match):
     kw = dict(x=np.zeros((2, 2, 2, 3), np.float32), scale=np.ones(3, np.float32),
@@ -308,6 +309,33 @@ def test_bad_inputs_raise_clear_errors(bad, match):
     core_kw = {("variance" if k == "variance" else k): v for k, v in kw.items()}
     with pytest.raises(ValueError, match=match):
         core.bn_forward(**core_kw)
+
+
+@pytest.mark.parametrize("unread", [
+    dict(mean=np.zeros(5, np.float32), variance=np.ones(2, np.float32)),   # any length
+    dict(is_training=False, exponential_avg_factor=float("nan")),          # factor unread
+    dict(is_training=False, exponential_avg_factor=float("inf")),
+])
+def test_inputs_tf_does_not_read_are_accepted_as_by_tf(unread):
+    """What TF's FusedBatchNormV3 does not read, it does not check: the running statistics in
+    training with exponential_avg_factor == 1 need only be vectors, and the factor in
+    inference may be anything. Ours accepts the same and gives TF's results."""
+    rng = np.random.default_rng(5)
+    kw = dict(x=rng.standard_normal((2, 3, 3, 3)).astype(np.float32),
+              scale=np.ones(3, np.float32), offset=np.zeros(3, np.float32),
+              mean=np.full(3, 0.2, np.float32), variance=np.full(3, 1.5, np.float32),
+              epsilon=EPS, exponential_avg_factor=1.0, data_format="NHWC", is_training=True)
+    kw.update(unread)
+    ref = tf.raw_ops.FusedBatchNormV3(**kw)
+    for out in (_loader.raw_forward_op(**kw), fbn_grad_tf.fused_batch_norm_v3(**kw),
+                core.bn_forward(**kw)):
+        for a, b in zip(out[:3], ref[:3]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_core_forward_names_x_in_a_dtype_error():
+    with pytest.raises(TypeError, match="^x must be float32, float16 or bfloat16, got float64"):
+        core.bn_forward(np.zeros((2, 3, 4, 5)), np.ones(5, np.float32), np.zeros(5, np.float32))
 
 
 # ---- mixing forwards and backwards --------------------------------------------------------------

@@ -58,13 +58,13 @@ def model_validate(ex):
     dims = ex["dims"]
     if len(dims) != rank:
         return "x must be %d-dimensional" % rank
-    if not math.isfinite(ex["factor"]):
+    if ex["training"] and not math.isfinite(ex["factor"]):  # inference never reads it
         return "exponential_avg_factor"
     c = dims[1] if ex["fmt"] in ("NCHW", "NCDHW") else dims[-1]
     reads_running = not ex["training"] or ex["factor"] != 1.0
     for name, n in zip(("scale", "offset", "mean", "variance"), ex["lens"]):
-        if name in ("mean", "variance") and not reads_running and n == 0:
-            continue
+        if name in ("mean", "variance") and not reads_running:
+            continue  # not read: any length, as TF
         if n != c:
             return name
     eps = np.float32(ex["epsilon"])

@@ -19,21 +19,35 @@ ValidationResult ValidateBnForwardInputs(const std::vector<int64_t>& x_dims,
     return ValidationFailure("x must be " + std::to_string(rank) + "-dimensional for data_format " +
         DataFormatName(format) + ", got shape " + ShapeString(x_dims));
   }
-  if (!std::isfinite(exponential_avg_factor)) {
+  // The factor is read in training only; TF accepts NaN/inf there and returns NaN
+  // statistics, which we refuse. In inference nothing reads it, so, like TF, any value goes.
+  if (is_training && !std::isfinite(exponential_avg_factor)) {
     std::ostringstream os;
     os << "exponential_avg_factor must be a finite number, got " << exponential_avg_factor;
     return ValidationFailure(os.str());
   }
   // Like TF: training with exponential_avg_factor == 1 never reads the running statistics,
-  // so they may be empty ([0]) tensors; otherwise they are [C] like scale and offset.
+  // so TF checks only that they are vectors, of any length (empty [0] ones included);
+  // otherwise they are [C] like scale and offset.
   const bool reads_running = ReadsRunningStats(is_training, exponential_avg_factor);
-  const auto empty = [](const std::vector<int64_t>& d) { return d.size() == 1 && d[0] == 0; };
   std::vector<NamedDims> vecs = {{"scale", &scale_dims}, {"offset", &offset_dims}};
-  if (reads_running || !empty(mean_dims)) vecs.push_back({"mean", &mean_dims});
-  if (reads_running || !empty(variance_dims)) vecs.push_back({"variance", &variance_dims});
+  if (reads_running) {
+    vecs.push_back({"mean", &mean_dims});
+    vecs.push_back({"variance", &variance_dims});
+  }
   // x stands in for y_backprop: the shared checks then cover x, the [C] vectors, epsilon
   // and the canonical shape.
-  return ValidateBnInputs(x_dims, x_dims, vecs, format, epsilon);
+  ValidationResult result = ValidateBnInputs(x_dims, x_dims, vecs, format, epsilon);
+  if (result.ok && !reads_running) {
+    for (const NamedDims& v :
+         {NamedDims{"mean", &mean_dims}, NamedDims{"variance", &variance_dims}}) {
+      if (v.dims->size() != 1) {
+        return ValidationFailure(std::string(v.name) + " must be 1-dimensional, got shape " +
+            ShapeString(*v.dims));
+      }
+    }
+  }
+  return result;
 }
 
 template <typename T>

@@ -42,10 +42,11 @@ except ImportError:  # pragma: no cover - optional
 _FLOAT_TYPES = {"float32", "float16", "bfloat16"}
 
 
-def _dtype_name(dtype):
+def _dtype_name(dtype, what="y_backprop and x"):
+    """The kernels' name of `dtype`; TypeError naming `what` if they lack it."""
     name = str(dtype).replace("torch.", "")
     if name not in _FLOAT_TYPES:
-        raise TypeError("y_backprop and x must be float32, float16 or bfloat16, got %s" % name)
+        raise TypeError("%s must be float32, float16 or bfloat16, got %s" % (what, name))
     return name
 
 
@@ -108,7 +109,7 @@ def bn_forward(x, scale, offset, mean=None, variance=None, epsilon=1e-4,
                                   exponential_avg_factor, data_format, is_training, mode,
                                   saved_stat, side_input)
     xx = np.require(x, requirements="C")
-    dtype = _dtype_name(xx.dtype)
+    dtype = _dtype_name(xx.dtype, "x")
     vecs = [np.require(np.zeros(0) if v is None else v, dtype=np.float32, requirements="C")
             for v in (scale, offset, mean, variance)]
     side = None if side_input is None else _like_x(side_input, xx, "side_input")
@@ -138,12 +139,12 @@ def _bn_forward_device(x, scale, offset, mean, variance, epsilon, factor, data_f
     x = lib.contiguous(x)
     vecs = [None if v is None else lib.contiguous(lib.as_float32(v))
             for v in (scale, offset, mean, variance)]
-    dtype = _dtype_name(lib.dtype(x))
+    dtype = _dtype_name(lib.dtype(x), "x")
     shapes = [list(lib.shape(x))] + [[0] if v is None else list(lib.shape(v)) for v in vecs]
     side = None
     if side_input is not None:
         side = lib.contiguous(side_input)
-        if _dtype_name(lib.dtype(side)) != dtype:
+        if _dtype_name(lib.dtype(side), "side_input") != dtype:
             raise TypeError("side_input must have the dtype of x")
         shapes.append(list(lib.shape(side)))
     _core.validate_forward(shapes, data_format, float(epsilon), float(factor), bool(is_training),
