@@ -196,6 +196,47 @@ def test_bn_with_two_consumers_is_not_fused():
     _assert_same_model(model, conv, _rand((3, 4, 4, 3), 8), 1e-4)
 
 
+@pytest.mark.parametrize("bn_on_the_small_side", [False, True])
+def test_broadcasting_residual_add_is_not_fused(bn_on_the_small_side):
+    """Keras' Add broadcasts ([N,1,1,C] + [N,H,W,C], as in squeeze-excite blocks); the fused
+    op takes a side input of the BN output's shape, so such a BN -> Add -> ReLU keeps its Add
+    and ReLU, says why, and the model trains as the original does."""
+    keras.utils.set_random_seed(11)
+    inp = keras.Input((6, 6, 4))
+    r = L.ReLU(name="r0")(L.Conv2D(4, 1, name="c0")(inp))
+    g = L.GlobalAveragePooling2D(keepdims=True, name="pool")(r)  # [N,1,1,4]
+    if bn_on_the_small_side:
+        b, other = L.BatchNormalization(name="bn_b")(g), r
+    else:
+        b, other = L.BatchNormalization(name="bn_b")(L.Conv2D(4, 1, name="c1")(r)), g
+    out = L.ReLU(name="relu_b")(L.Add(name="add_b")([b, other]))
+    model = keras.Model(inp, out)
+    conv, rep = convert(model, return_report=True)
+    assert rep.replaced == ["bn_b"] and not rep.fused
+    assert any(name == "bn_b" and "broadcasts" in reason for name, _, reason in rep.not_fused)
+    assert conv.get_layer("add_b") is not None and conv.get_layer("bn_b").activation is None
+    _assert_same_model(model, conv, _rand((2, 6, 6, 4), 12), 1e-4)
+
+
+def test_layer_side_input_that_broadcasts_matches_keras():
+    """Our layer called directly with a side input that broadcasts against its input:
+    act(bn(x) + side) in training and inference, as Keras' BN + Add + ReLU computes it."""
+    keras.utils.set_random_seed(13)
+    x, side = _rand((2, 5, 5, 3), 14), _rand((2, 1, 1, 3), 15)
+    ours = FbnBN(activation="relu")
+    ref = L.BatchNormalization()
+    for training in (True, False):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([x, side])
+            y1 = ours(x, training=training, side_input=side)
+            y2 = tf.nn.relu(ref(x, training=training) + side)
+        np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), rtol=1e-5, atol=1e-5)
+        for a, b in zip(tape.gradient(y1, [x, side]), tape.gradient(y2, [x, side])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(ours.moving_mean), np.asarray(ref.moving_mean),
+                               rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["functional", "sequential"])
 def test_float64_model(kind):
     """float64 is not a dtype of the op: the converted layers fall back to Keras' own math

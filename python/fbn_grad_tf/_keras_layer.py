@@ -25,9 +25,10 @@ get_config and moving-statistics semantics) and replaces the math of ``call`` wh
   the side input and the activation with TF ops (tf.nn.relu / relu6 / silu).
 
 Inside XLA compilation (tf.function(jit_compile=True), model.compile(jit_compile=True)) our
-op cannot be compiled: the layer keeps the fused forward but uses TF's own FusedBatchNormGradV3
-(a one-time RuntimeWarning says so). The layer sets ``supports_jit = False`` so that Keras'
-``jit_compile="auto"`` does not pick XLA for models containing it.
+op cannot be compiled: the layer runs TF's own FusedBatchNormV3 forward and its registered
+gradient, FusedBatchNormGradV3 (a one-time RuntimeWarning says so). The layer sets
+``supports_jit = False`` so that Keras' ``jit_compile="auto"`` does not pick XLA for models
+containing it.
 
 Registered as a Keras serializable ("fbn_grad_tf>BatchNormalization"): ``import fbn_grad_tf``
 before ``keras.models.load_model`` of a .keras file that contains it.
@@ -115,11 +116,18 @@ def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_gr
                 data_format=data_format, is_training=True)
             y = apply_activation(y, activation, side_input)
         else:  # the activation and side input are fused (or nn.py applies them)
+            # The fused op takes a side input of x's shape; one that broadcasts (as Keras'
+            # Add allows) is added after our op by TF ops, with the activation, as in
+            # inference.
+            fuse_side = side_input is None or side_input.shape.is_compatible_with(x.shape)
             y, batch_mean, batch_var = _fused_batch_norm_v3(
                 x, gamma, beta, empty, empty, BatchNormParams(
                     epsilon=layer.epsilon, exponential_avg_factor=1.0,
                     data_format=data_format, is_training=True, forward=forward,
-                    activation=activation, side_input=side_input))
+                    activation=activation if fuse_side else None,
+                    side_input=side_input if fuse_side else None))
+            if not fuse_side:
+                y = apply_activation(y, activation, side_input)
         # Keras 3 averages the *biased* batch variance; output 2 is var * M / max(M-1, 1).
         m = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)
         batch_var = tf.where(m > 1.0, batch_var * ((m - 1.0) / m), batch_var)
@@ -224,9 +232,10 @@ class BatchNormalization(keras.layers.BatchNormalization):
     # -- call ------------------------------------------------------------------------------
 
     def call(self, inputs, training=None, mask=None, side_input=None):
-        """``side_input``: None or a tensor of the input's shape, added before the
-        activation: act(bn(inputs) + side_input), one fused op (a residual connection;
-        what ``convert`` builds from BN -> Add -> activation)."""
+        """``side_input``: None or a tensor added before the activation:
+        act(bn(inputs) + side_input) (a residual connection; what ``convert`` builds from
+        BN -> Add -> activation). Of the input's shape, it is one fused op; one that
+        broadcasts against it (as Keras' Add allows) is added by TF ops after ours."""
         return _fbn_call(self, inputs, training, mask, self.activation, self._forward_op,
                          self._gradient_op, side_input=side_input)
 
