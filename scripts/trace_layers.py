@@ -4,8 +4,12 @@ A development diagnostic (not run in CI; docs/PERFORMANCE_NOTES.md, "How in-mode
 `python -m fbn_grad_tf.bench --model --trace` sums BN (+activation) op times per step; this
 splits them by BN layer, to find which layers an in-model gap comes from.
 
-    .venv/bin/python scripts/trace_layers.py [MODEL [POLICY [STEPS [VARIANT]]]]
+    .venv/bin/python scripts/trace_layers.py [--inter-op N] [MODEL [POLICY [STEPS [VARIANT]]]]
                                               # resnet50 float32 6 conv
+
+--inter-op N: TF's inter-op threads (default: TF's, one per core). With 1, TF runs one op at
+a time, so no op's duration is stretched by another running beside it on the other core:
+what is left of a gap between the columns is the kernels', not the overlap's.
 
 VARIANT: conv (default; fbn_grad_tf.keras.convert) or ours (every BN our layer, the
 activations left as TF ops: the "ours" variant of bench --model).
@@ -17,7 +21,9 @@ of each under the TF profiler (fbn_grad_tf.bench.trace) and prints per BN layer:
 * TF bwd+act: TF's batch-norm gradient op + the gradient op of the activation after it (for
   BN+Add+ReLU, the ReLU after the Add is put on the Add's last BN input), ms per step;
 * conv: our fused backward op (VARIANT ours: our backward op + the activation's gradient
-  op), ms per step, and c/T, its ratio to TF's two;
+  op; in the projection blocks, which convert leaves unfused, the shortcut's `_0_bn` adds
+  the gradient ops of the Add + ReLU, as TF's column does), ms per step, and c/T, its ratio
+  to TF's two;
 * beside: the op type that ran on another thread for the longest part of the backward.
 * overlap: median share of the backward op's time during which another op ran on another
   thread (TF / ours);
@@ -122,6 +128,10 @@ def overlap_share(events, s, e, tid, beside=None):
 
 
 def main(argv):
+    argv = list(argv)
+    if len(argv) > 2 and argv[1] == "--inter-op":
+        tf.config.threading.set_inter_op_parallelism_threads(int(argv[2]))
+        del argv[1:3]
     name = argv[1] if len(argv) > 1 else "resnet50"
     policy = argv[2] if len(argv) > 2 else "float32"
     nsteps = int(argv[3]) if len(argv) > 3 else 6
@@ -179,7 +189,9 @@ def main(argv):
     for layer, shape in shapes.items():
         tf_t, cv = times[("tf_fused", layer)], times[("conv", layer)]
         tf_bwd = tf_t["bwd"] + tf_t["act_bwd"]
-        cv_bwd = cv["bwd"] + cv["act_bwd"]  # act_bwd: 0 when converted (fused)
+        # act_bwd: TF ops the conversion left in place (VARIANT ours; the Add + ReLU of the
+        # projection blocks convert holds back); 0 where they are fused into our op
+        cv_bwd = cv["bwd"] + cv["act_bwd"]
         ov = ["%.0f%%" % (100 * statistics.median(overlaps[(k, layer)]))
               if overlaps[(k, layer)] else "-" for k in ("tf_fused", "conv")]
         elements = BATCH * int(np.prod(shape))
