@@ -161,8 +161,8 @@ inline int64_t TaskBlock(int64_t num_tasks, int64_t threads) {
 }
 
 // Runs tasks on up to `num_threads` threads (1 = inline; the others from a process-wide pool
-// of worker threads, started on first use and reused). Used by the pybind11 module and by
-// the TF ops (sized there by TF's intra-op pool: IntraOpThreads in csrc/tf/tf_binding.h).
+// of worker threads, started on first use and reused). Used by the pybind11 module; the TF
+// ops run on TF's intra-op pool instead (IntraOpPoolRunner in csrc/tf/tf_binding.h).
 class ThreadRunner : public TaskRunner {
  public:
   explicit ThreadRunner(int num_threads) : num_threads_(num_threads < 1 ? 1 : num_threads) {}

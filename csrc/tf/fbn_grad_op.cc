@@ -3,7 +3,7 @@
 //
 // The op has the signature of TF's built-in FusedBatchNormGradV3 under a name of our own:
 // registering kernels for the built-in name breaks TF (duplicate registrations, or a crash
-// in the oneDNN graph rewrite), see README "Op name".
+// in the oneDNN graph rewrite; docs/ARCHITECTURE.md).
 #include <cmath>
 #include <cstdint>
 #include <vector>

@@ -242,8 +242,9 @@ def grid_block(run):
             "(>1: ours faster), same process, interleaved; cases: those TF oneDNN ran (it "
             "refuses some inference cases in NCHW). %%BW: 3 x elements x itemsize / our time "
             "over the run's bandwidth, on shapes of %s+ elements; a two-pass training backward "
-            "reaches at most about 60%%." % (len(every), _x(_geomean(every)),
-                                             "{:,}".format(LARGE_ELEMENTS))]
+            "from memory reaches at most about 60%%; above that, the tensors stayed in the "
+            "last-level cache between the passes." % (len(every), _x(_geomean(every)),
+                                                      "{:,}".format(LARGE_ELEMENTS))]
     return out
 
 
