@@ -177,6 +177,20 @@ def test_tf_backward_ignores_a_reserve_space_3_that_is_not_the_mask():
         assert_bitwise_equal(a.numpy(), b.numpy(), name)
 
 
+def test_empty_x_mask_is_the_tag_alone_as_from_the_tf_forward():
+    """An empty x has no mask bits: its mask is the tag words alone, written by the core as
+    by the TF forward (where that writes a mask), never uninitialized memory."""
+    inp = case_inputs("NHWC", (0, 3, 5, 4), "float32", side=False, seed=3)
+    words = core.bn_forward(inp["x"], inp["scale"], inp["offset"], epsilon=EPS,
+                            activation="relu", return_act_mask=True)[-1]
+    assert words.size == _core.activation_mask_floats(0)
+    assert np.all(words & np.uint32(0xFFFF0000)) and words.any()  # tag words: high bits set
+    fwd, _ = tf_forward_backward(inp, "NHWC", "relu")
+    rs3 = fwd[5].numpy()
+    if rs3.size:  # the TF forward writes a mask on the AVX-512 paths
+        assert_bitwise_equal(rs3.view(np.uint32), words, "reserve_space_3")
+
+
 def test_inference_and_other_activations_leave_reserve_space_3_empty():
     inp = case_inputs("NHWC", (2, 3, 5, 8), "bfloat16", side=True)
     x = tf.constant(inp["x"])

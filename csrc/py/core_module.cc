@@ -233,9 +233,10 @@ void BnForwardCpuRaw(const std::string& dtype, const std::vector<uintptr_t>& ptr
   WithDtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     fbn::BnForwardArgs<T> args = ForwardArgs<T>(ptrs);
-    // act_mask: ActivationMaskFloats(elements) words (core/activation.h); tagged here.
+    // act_mask: ActivationMaskFloats(elements) words (core/activation.h); tagged here, as
+    // the TF op tags its reserve_space_3 (for an empty x too: the tag words alone).
     args.act_mask = reinterpret_cast<uint32_t*>(act_mask);
-    if (args.act_mask != nullptr && params.shape.elements() > 0) {
+    if (args.act_mask != nullptr) {
       fbn::SetActivationMaskTag(args.act_mask, params.shape.elements(), params.activation);
     }
     py::gil_scoped_release release;
