@@ -202,6 +202,51 @@ def test_tf_keras_model_under_override_exports_without_the_package(tmp_path):
                      model(x, training=False).numpy(), 1e-5)
 
 
+def test_bn_called_with_training_true_exports_without_the_package(tmp_path):
+    """A BN whose call records training=True (batch statistics at serving time, as in
+    pix2pix-style generators): the export traces it in training mode without a gradient
+    tape, so it is built on TF's ops, converted or under override()."""
+    keras.utils.set_random_seed(2)
+    inp = keras.Input((None, None, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same")(inp)
+    h = keras.layers.BatchNormalization(name="bn_always")(h, training=True)
+    model = keras.Model(inp, keras.layers.GlobalAveragePooling2D()(keras.layers.ReLU()(h)))
+    x = oracle.data(9, (2, 12, 10, 3))[0]
+    conv = convert(model)
+    export(conv, str(tmp_path / "conv"))
+    assert_rel_close(load_without_package(tmp_path / "conv", x, tmp_path), model(x).numpy(),
+                     1e-5)
+    with fbn_grad_tf.keras.override():
+        export(model, str(tmp_path / "override"))
+    assert_rel_close(load_without_package(tmp_path / "override", x, tmp_path),
+                     model(x).numpy(), 1e-5)
+    # Under a tape the same call runs on our ops.
+    xt = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(xt)
+        fn = tf.function(lambda t: conv(t))
+        types = {op.type for op in fn.get_concrete_function(xt).graph.get_operations()}
+    assert "FbnGrad>FusedBatchNormEx" in types
+
+
+def test_tf_keras_saved_model_saved_under_override_loads_without_the_package(tmp_path):
+    """tf_keras' model.save(dir) (a SavedModel) traces the layers in training mode too, with
+    no tape: those traces build TF's op, so the SavedModel loads where fbn_grad_tf is not."""
+    tf_keras = pytest.importorskip("tf_keras")
+    L = tf_keras.layers
+    tf_keras.utils.set_random_seed(3)
+    x = oracle.data(10, (8, 8, 8, 3))[0]
+    with fbn_grad_tf.keras.override():
+        model = tf_keras.Sequential([tf_keras.Input((8, 8, 3)), L.Conv2D(4, 3),
+                                     L.BatchNormalization(), L.ReLU(),
+                                     L.GlobalAveragePooling2D(), L.Dense(2)])
+        model.compile("sgd", tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, np.arange(8) % 2, epochs=1, verbose=0)
+        model.save(str(tmp_path / "sm"))
+    assert_rel_close(load_without_package(tmp_path / "sm", x, tmp_path),
+                     model(x, training=False).numpy(), 1e-5)
+
+
 # ---- revert ---------------------------------------------------------------------------------
 
 def test_revert_restores_the_absorbed_layers_and_is_stock_keras():

@@ -103,8 +103,10 @@ def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_gr
     xla = _grads.in_xla_context()
     if xla:
         _grads.warn_xla_fallback("fbn_grad_tf.keras.BatchNormalization")
-    # TF's registered gradient of the forward op (XLA-compilable) instead of ours.
-    tf_grad = xla or gradient_op == "tensorflow"
+    # TF's forward op and its registered gradient (XLA-compilable) instead of ours; also
+    # where no gradient can be taken (an export tracing a BN called with training=True), so
+    # that what is saved holds TF's ops only.
+    tf_grad = xla or gradient_op == "tensorflow" or not _grads.gradient_may_be_taken()
     forward = "tf" if forward_op == "tensorflow" else "ours"
 
     if training and layer.trainable:

@@ -59,6 +59,22 @@ _warned = set()
 _warn_lock = threading.Lock()
 
 
+def gradient_may_be_taken():
+    """Whether the ops being built now may be differentiated: a GradientTape is recording
+    (in eager code, or inside or around the tf.function being traced), or a TF1 graph is
+    being built (tf.gradients needs no tape there). Training-mode batch norm builds our
+    forward op only then; otherwise (model.export or a SavedModel tracing a layer called with
+    training=True) it builds TF's, so that what is saved loads where fbn_grad_tf is not
+    installed."""
+    if not tf.compat.v1.executing_eagerly_outside_functions():
+        return True
+    try:
+        from tensorflow.python.eager import record  # pylint: disable=import-outside-toplevel
+        return bool(record.could_possibly_record())
+    except Exception:  # pragma: no cover - private API changed: keep building our op
+        return True
+
+
 def in_xla_context(graph=None):
     """True when ops are being built for XLA compilation (inside tf.function(jit_compile=True)
     or an XLA control-flow context). Our op has no XLA kernel, so callers must then use TF's

@@ -319,9 +319,11 @@ _saved_forward = None
 
 def _our_fused_batch_norm_v3(tf_function):
     """A stand-in for gen_nn_ops.fused_batch_norm_v3 that builds our forward op for training
-    where it can run (our_forward_available(), float32 statistics, not inside XLA), else
-    TF's. Inference keeps TF's op, so that serving exports of models traced under the patch
-    (tf_keras under fbn_grad_tf.keras.override()) hold only TF's ops."""
+    where it can run (our_forward_available(), float32 statistics, not inside XLA) and a
+    gradient may be taken (_grads.gradient_may_be_taken), else TF's. Inference, and the
+    training-mode traces a SavedModel makes without a tape, keep TF's op, so that what is
+    saved from models traced under the patch (tf_keras under
+    fbn_grad_tf.keras.override()) holds only TF's ops."""
 
     def fused_batch_norm_v3(x, scale, offset, mean, variance, epsilon=0.0001,
                             exponential_avg_factor=1, data_format="NHWC", is_training=True,
@@ -330,7 +332,8 @@ def _our_fused_batch_norm_v3(tf_function):
                   data_format=data_format, is_training=is_training, name=name)
         vecs = [tf.convert_to_tensor(v) for v in (scale, offset, mean, variance)]
         if (is_training and our_forward_available() and not _grads.in_xla_context()
-                and all(v.dtype == tf.float32 for v in vecs)):
+                and all(v.dtype == tf.float32 for v in vecs)
+                and _grads.gradient_may_be_taken()):
             return _loader.raw_forward_op(x=x, scale=vecs[0], offset=vecs[1], mean=vecs[2],
                                           variance=vecs[3], **kw)
         return tf_function(x, *vecs, **kw)
