@@ -298,6 +298,53 @@ def test_revert_of_layers_built_with_activation_and_side_input():
     np.testing.assert_allclose(seq_back(x), seq(x), rtol=1e-5, atol=1e-5)
 
 
+def test_revert_tail_layers_keep_the_bn_dtype_policy():
+    """The Add and Activation that revert writes after a BN built with activation= or
+    side_input= take the BN's dtype policy, whatever the global policy of the process that
+    reverts."""
+    L = keras.layers
+    inp = keras.Input((6, 6, 4))
+    a = L.Conv2D(4, 1, dtype="mixed_bfloat16")(inp)
+    b = fbn_grad_tf.keras.BatchNormalization(activation="relu", name="bnA",
+                                             dtype="mixed_bfloat16")(a)
+    c = fbn_grad_tf.keras.BatchNormalization(activation="swish", name="bnB",
+                                             dtype="mixed_bfloat16")(b, side_input=a)
+    model = keras.Model(inp, c)
+    seq = keras.Sequential([keras.Input((6, 6, 4)), fbn_grad_tf.keras.BatchNormalization(
+        activation="relu", name="b", dtype="mixed_bfloat16")])
+    assert keras.config.dtype_policy().name == "float32"
+    back, seq_back = revert(model), revert(seq)
+    policies = {layer.name: layer.dtype_policy.name for layer in back.layers + seq_back.layers
+                if not isinstance(layer, keras.layers.InputLayer)}
+    assert set(policies.values()) == {"mixed_bfloat16"}, policies
+    x = oracle.data(2, (3, 6, 6, 4))[0]
+    np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(model(x)))
+
+
+@pytest.mark.parametrize("make", ["tf_keras", "subclassed", "layer"])
+def test_revert_refusals_name_revert(make):
+    if make == "tf_keras":
+        tf_keras = pytest.importorskip("tf_keras")
+        model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+        err, match = TypeError, "revert: .* tf_keras .* needs no revert"
+    elif make == "subclassed":
+        class Sub(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.bn = fbn_grad_tf.keras.BatchNormalization()
+
+            def call(self, x):
+                return self.bn(x)
+        model = Sub()
+        model(np.zeros((2, 3), "float32"))
+        err, match = ValueError, "revert: .*subclassed.*keras.layers.BatchNormalization"
+    else:
+        model, err, match = keras.layers.Dense(2), TypeError, "revert: expected a Keras 3 model"
+    with pytest.raises(err, match=match) as info:
+        revert(model)
+    assert "keras.convert" not in str(info.value)
+
+
 def _nested_model():
     """Nested functional + Sequential models, the Sequential one called twice (shared)."""
     L = keras.layers

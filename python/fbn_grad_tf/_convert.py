@@ -142,27 +142,34 @@ def _functional_class():
     return Functional
 
 
-def _model_kind(model):
+def _model_kind(model, what="convert"):
+    """"functional" or "sequential"; a TypeError or ValueError for what `what` (convert or
+    revert) cannot rewrite, with that function's advice."""
+    name = "fbn_grad_tf.keras." + what
     if not isinstance(model, keras.Model):
         mod = type(model).__module__ or ""
         if mod.startswith(("tf_keras", "keras.src.engine", "tensorflow.python.keras")):
-            raise TypeError(
-                "fbn_grad_tf.keras.convert: %r is a tf_keras (Keras 2) model; convert "
-                "rewrites Keras 3 models. For tf_keras, train under "
-                "fbn_grad_tf.keras.override() (its fused BatchNormalization then runs on "
-                "fbn_grad_tf's ops, see docs/DROPIN.md)." % (getattr(model, "name", model),))
-        raise TypeError("fbn_grad_tf.keras.convert: expected a Keras 3 model, got %r"
-                        % (type(model).__name__,))
+            advice = ("For tf_keras, train under fbn_grad_tf.keras.override() (its fused "
+                      "BatchNormalization then runs on fbn_grad_tf's ops, see "
+                      "docs/DROPIN.md)." if what == "convert" else
+                      "A tf_keras model trained under fbn_grad_tf.keras.override() holds "
+                      "tf_keras' own layers: it needs no revert.")
+            raise TypeError("%s: %r is a tf_keras (Keras 2) model; %s rewrites Keras 3 "
+                            "models. %s" % (name, getattr(model, "name", model), what, advice))
+        raise TypeError("%s: expected a Keras 3 model, got %r" % (name, type(model).__name__))
     if isinstance(model, keras.Sequential):
         return "sequential"
     if isinstance(model, _functional_class()):
         return "functional"
-    raise ValueError(
-        "fbn_grad_tf.keras.convert: model %r is a subclassed keras.Model (%s): its call() is "
-        "Python code, which convert cannot rewrite. Build it under "
-        "`with fbn_grad_tf.keras.override():` (every keras.layers.BatchNormalization then "
-        "runs on fbn_grad_tf's ops), or use fbn_grad_tf.keras.BatchNormalization in its code."
-        % (model.name, type(model).__name__))
+    advice = ("Build it under `with fbn_grad_tf.keras.override():` (every "
+              "keras.layers.BatchNormalization then runs on fbn_grad_tf's ops), or use "
+              "fbn_grad_tf.keras.BatchNormalization in its code." if what == "convert" else
+              "Use keras.layers.BatchNormalization in its code instead of fbn_grad_tf's "
+              "layer; for serving, model.export(path) of it holds TF's ops only "
+              "(docs/DROPIN.md, \"Exports and SavedModel\").")
+    raise ValueError("%s: model %r is a subclassed keras.Model (%s): its call() is Python "
+                     "code, which %s cannot rewrite. %s"
+                     % (name, model.name, type(model).__name__, what, advice))
 
 
 def _is_keras_bn(layer):
@@ -768,11 +775,14 @@ class _Reverter:
     def unfused_tail(self, bn, y, side_input):
         """The layers a BN's own activation / side input stand for where no
         FusedIntoBatchNorm follows it (a layer built with activation=...): Add, Activation."""
+        # The BN's dtype policy, not the global one of the process that reverts.
         if side_input is not None:
-            y = keras.layers.Add(name=self.unique(bn.name + "_add"))([y, side_input])
+            y = keras.layers.Add(name=self.unique(bn.name + "_add"),
+                                 dtype=bn.dtype_policy)([y, side_input])
         if getattr(bn, "activation", None) is not None:
             y = keras.layers.Activation(
-                bn.activation, name=self.unique(bn.name + "_" + bn.activation))(y)
+                bn.activation, name=self.unique(bn.name + "_" + bn.activation),
+                dtype=bn.dtype_policy)(y)
         return y
 
 
@@ -806,12 +816,13 @@ def _revert_sequential(model):
             nxt = old[i + 1] if i + 1 < len(old) else None
             if not isinstance(nxt, FusedIntoBatchNorm):
                 new_list.append(keras.layers.Activation(
-                    layer.activation, name=rev.unique(layer.name + "_" + layer.activation)))
+                    layer.activation, name=rev.unique(layer.name + "_" + layer.activation),
+                    dtype=layer.dtype_policy))
     return _sequential_like(model, new_list, "fbn_grad_tf.keras.revert"), rev
 
 
 def _revert(model):
-    if _model_kind(model) == "functional":
+    if _model_kind(model, "revert") == "functional":
         new, rev = _revert_functional(model)
     else:
         new, rev = _revert_sequential(model)
