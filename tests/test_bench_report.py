@@ -208,6 +208,36 @@ def test_report_command(stored, tmp_path, capsys):
     assert bench.main(["report", str(tmp_path / "empty")]) == 1
 
 
+def test_report_refuses_what_is_not_a_stored_run(stored, tmp_path, capsys):
+    """A path that does not exist, a file that is not JSON, JSON that is not a run, and
+    --update-docs where there are no docs: an error line and exit 1, no traceback."""
+    bad = tmp_path / "bad.json"
+    bad.write_text("garbage{")
+    meta_only = tmp_path / "meta_only.json"
+    meta_only.write_text('{"meta": {"x": 1}}')
+    for argv, message in ((["report", str(tmp_path / "missing")], "no such file or directory"),
+                          (["report", str(bad)], "is not JSON"),
+                          (["report", str(meta_only)], "no stored runs"),
+                          (["report", "--update-docs", "--root", str(tmp_path / "nodocs"),
+                            str(stored)], "no README.md or docs/*.md")):
+        assert bench.main(argv) == 1
+        assert message in capsys.readouterr().err
+
+
+def test_report_chart_is_written_beside_its_runs(stored, tmp_path, monkeypatch, capsys):
+    """--chart on a JSON file of a --model run: models.png beside that file, never under the
+    current directory's docs/results."""
+    pytest.importorskip("matplotlib")
+    run = next(p for p in stored.rglob("models-float32.json"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    copy = elsewhere / "m.json"
+    copy.write_text(run.read_text())
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["report", "--chart", str(copy)]) == 0
+    assert (elsewhere / "models.png").exists() and not (tmp_path / "docs").exists()
+
+
 def test_chart(stored, tmp_path):
     pytest.importorskip("matplotlib")
     runs = [r for r in bench.load_runs([str(stored)]) if "models" in r]

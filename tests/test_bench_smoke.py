@@ -722,3 +722,81 @@ def test_model_mode_on_a_users_model(kind, tmp_path, monkeypatch, capsys):
     assert all(r <= 1e-3 for r in res["loss_check"].values())
     with pytest.raises(SystemExit):
         bench.main(["--model", str(tmp_path / "missing.keras")] + MODEL_TINY[2:])
+
+
+def no_bn_model():
+    """A model without BatchNormalization, for --model package.module:factory."""
+    import keras
+    inp = keras.Input((8, 8, 3))
+    return keras.Model(inp, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(
+        keras.layers.Conv2D(4, 3)(inp))))
+
+
+def failing_factory():
+    raise RuntimeError("factory boom")
+
+
+def not_a_model():
+    return 3
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("test_bench_smoke:no_bn_model", "has no BatchNormalization layer"),
+    ("test_bench_smoke:failing_factory", "the factory raised RuntimeError: factory boom"),
+    ("test_bench_smoke:no_such_function", "cannot import no_such_function"),
+    ("test_bench_smoke:not_a_model", "expected a keras.Model, got int"),
+])
+def test_model_mode_users_model_errors_are_one_line(spec, message, monkeypatch, capsys):
+    """A model of the user's that the bench cannot run: exit 2 and one error line naming it,
+    no traceback."""
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.abspath(__file__)))
+    assert bench.main(["--model", spec] + MODEL_TINY[2:]) == 2
+    err = capsys.readouterr().err
+    assert "error: --model %s: " % spec in err and message in err and "Traceback" not in err
+
+
+def test_model_mode_saved_file_under_another_policy_is_refused(tmp_path, capsys):
+    spec = str(tmp_path / "user.keras")
+    user_cnn().save(spec)  # float32 layers
+    assert bench.main(["--model", spec, "--policy", "mixed_bfloat16"] + MODEL_TINY[2:]) == 2
+    assert "run it with --policy float32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--reps", "0"], "--reps: must be at least 1"),
+    (["--budget", "-1"], "--budget: must be a positive number"),
+    (["--bandwidth-mib", "0"], "--bandwidth-mib: must be at least 1"),
+    (["--min-reps", "10", "--max-reps", "2"], "--min-reps 10 is above --max-reps 2"),
+    (["--model", "tiny", "--batch", "0"], "--batch: must be at least 1"),
+    (["--model", "tiny", "--pair-reps", "0"], "--pair-reps: must be at least 1"),
+    (["--model", "tiny", "--trace-steps", "0"], "--trace-steps: must be at least 1"),
+    (["--model", "tiny", "--classes", "1"], "--classes: must be at least 2"),
+    (["--model", "tiny", "--plot", "x.png"], "--plot: the backward grid's option"),
+    (["--model", "tiny", "--shapes", "2x4x4x8"], "--shapes: the backward grid's option"),
+    (["--model", "tiny", "--variants", "ours,bogus"], "--variants"),
+    (["--model", "nosuchnet"], "unknown model(s) nosuchnet"),
+    (["--quick", "--dtypes", "f32", "--store", "/tmp/never"], "--dtypes select(s) a part"),
+])
+def test_bad_arguments_exit_2_with_usage(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ") and message in err
+
+
+def test_interrupt_is_one_line_and_exit_130(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench.cli, "run", interrupted)
+    assert bench.main(["--shapes", "2x4x4x8", "--no-eigen", "--bandwidth-mib", "1"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C)" in err and "Traceback" not in err
+
+
+def test_correctness_failure_is_one_line_and_exit_1(monkeypatch, capsys):
+    def wrong(*args, **kwargs):
+        raise bench.CorrectnessError("dx rel err 1 > 1e-5")
+    monkeypatch.setattr(bench.cli, "run", wrong)
+    assert bench.main(["--shapes", "2x4x4x8", "--no-eigen", "--bandwidth-mib", "1"]) == 1
+    assert "error: correctness check failed: dx rel err" in capsys.readouterr().err

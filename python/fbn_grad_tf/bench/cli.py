@@ -94,6 +94,41 @@ def _split(text, allowed, what):
     return vals
 
 
+def _int_at_least(lo):
+    """An argparse type: an integer >= lo."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError("expected an integer, got %r" % text) from None
+        if value < lo:
+            raise argparse.ArgumentTypeError("must be at least %d, got %d" % (lo, value))
+        return value
+    return parse
+
+
+def _positive_float(text):
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a number, got %r" % text) from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError("must be a positive number, got %r" % text)
+    return value
+
+
+#: Options of the backward grid (and --layer) that --model does not use: dest -> flag.
+GRID_ONLY = {"shapes": "--shapes", "dtypes": "--dtypes", "formats": "--formats",
+             "modes": "--modes", "budget": "--budget", "min_reps": "--min-reps",
+             "max_reps": "--max-reps", "plot": "--plot", "eigen_bfc": "--eigen-bfc",
+             "no_eigen": "--no-eigen", "no_torch": "--no-torch"}
+#: Options that select a part of the grid: a stored run (--store) holds the whole of it.
+GRID_FILTERS = {"shapes": "--shapes", "dtypes": "--dtypes", "formats": "--formats",
+                "modes": "--modes", "reps": "--reps", "budget": "--budget",
+                "min_reps": "--min-reps", "max_reps": "--max-reps"}
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m fbn_grad_tf.bench",
@@ -104,20 +139,20 @@ def build_parser():
                     "fbn_grad_tf.bench report` makes Markdown tables from runs stored with "
                     "--store (see its --help).")
     p.add_argument("--quick", action="store_true",
-                   help="~1 minute subset: 2 shapes, float32+bfloat16, fewer reps")
+                   help="a subset of under a minute: 2 shapes, float32+bfloat16, fewer reps")
     p.add_argument("--shapes", type=lambda s: tuple(parse_shape(t) for t in s.split(",")),
                    help="comma list of NHWC shapes, e.g. 32x56x56x256,256x1x1x4096")
     p.add_argument("--dtypes", type=lambda s: _split(s, DTYPES, "--dtypes"))
     p.add_argument("--formats", type=lambda s: _split(s, FORMATS, "--formats"))
     p.add_argument("--modes", type=lambda s: _split(s, MODES, "--modes"))
-    p.add_argument("--reps", type=int, help="fixed repetitions per case (default: "
+    p.add_argument("--reps", type=_int_at_least(1), help="fixed repetitions per case (default: "
                    "time-budgeted, see --budget); --model: timed steps per variant "
                    "(default %d)" % ModelConfig.reps)
-    p.add_argument("--budget", type=float, help="seconds of the slowest contestant per "
+    p.add_argument("--budget", type=_positive_float, help="seconds of the slowest contestant per "
                    "case (default 1.5; --quick 0.3), within --min-reps..--max-reps")
-    p.add_argument("--min-reps", type=int)
-    p.add_argument("--max-reps", type=int)
-    p.add_argument("--threads", type=int, help="TF intra-op threads (and torch threads, "
+    p.add_argument("--min-reps", type=_int_at_least(1))
+    p.add_argument("--max-reps", type=_int_at_least(1))
+    p.add_argument("--threads", type=_int_at_least(1), help="TF intra-op threads (and torch threads, "
                    "and NumPy bandwidth threads); default: TF's default (all cores)")
     p.add_argument("--json", metavar="FILE", help="write machine-readable results")
     p.add_argument("--store", nargs="?", const=RESULTS_DIR, metavar="DIR",
@@ -127,7 +162,7 @@ def build_parser():
                         "that name on this kind of machine; `python -m fbn_grad_tf.bench "
                         "report` makes the docs' tables from them" % RESULTS_DIR)
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of speed-ups (matplotlib)")
-    p.add_argument("--bandwidth-mib", type=int, default=256, metavar="MIB",
+    p.add_argument("--bandwidth-mib", type=_int_at_least(1), default=256, metavar="MIB",
                    help="array size for the bandwidth measurement (default 256 MiB)")
     p.add_argument("--eigen-bfc", action="store_true",
                    help="run the Eigen worker with TF_CPU_ALLOCATOR_USE_BFC=true (a pooled "
@@ -158,27 +193,27 @@ def build_parser():
                         "yours: path/to/model.keras (or .h5), package.module:factory (a "
                         "function returning a keras.Model); one input, one classifier "
                         "output, their shapes from the model (--size, --classes ignored)")
-    m.add_argument("--batch", type=int, help="batch size (default %d)" % ModelConfig.batch)
-    m.add_argument("--size", type=int, help="image height and width (default %d)"
+    m.add_argument("--batch", type=_int_at_least(1), help="batch size (default %d)" % ModelConfig.batch)
+    m.add_argument("--size", type=_int_at_least(1), help="image height and width (default %d)"
                    % ModelConfig.size)
     m.add_argument("--policy", choices=MODEL_POLICIES,
                    help="Keras dtype policy for building the models (default float32)")
-    m.add_argument("--classes", type=int, help="classifier outputs (default %d)"
+    m.add_argument("--classes", type=_int_at_least(2), help="classifier outputs (default %d)"
                    % ModelConfig.classes)
     m.add_argument("--variants", metavar="KEYS",
                    help="comma list of variants to run (default: all available): %s"
                         % ", ".join(MODEL_VARIANT_KEYS))
-    m.add_argument("--model-warmup", type=int, metavar="N",
+    m.add_argument("--model-warmup", type=_int_at_least(1), metavar="N",
                    help="untimed steps per variant before timing, the first traces (default %d)"
                         % ModelConfig.warmup)
-    m.add_argument("--bandwidth", type=float, metavar="GBS",
+    m.add_argument("--bandwidth", type=_positive_float, metavar="GBS",
                    help="memory bandwidth in GB/s for the roofline (default: measured)")
     m.add_argument("--no-pair", action="store_true",
                    help="skip the pair row (two independent BN layers at once vs in sequence)")
     m.add_argument("--pair-shape", type=parse_shape, metavar="NxHxWxC",
                    help="NHWC shape of each pair layer's input (default %s)"
                         % "x".join(map(str, ModelConfig.pair_shape)))
-    m.add_argument("--pair-reps", type=int, metavar="N",
+    m.add_argument("--pair-reps", type=_int_at_least(1), metavar="N",
                    help="repetitions of the pair row (default %d)" % ModelConfig.pair_reps)
     m.add_argument("--trace", action="store_true",
                    help="also estimate BN's cost from a TF profiler trace: a few extra steps of "
@@ -187,7 +222,7 @@ def build_parser():
                         "'step - floor'; ops that run at once overlap, so it is not wall "
                         "time), ratios against TF fused; adds those steps plus the profiler's "
                         "overhead to the run; off by default")
-    m.add_argument("--trace-steps", type=int, metavar="N",
+    m.add_argument("--trace-steps", type=_int_at_least(1), metavar="N",
                    help="profiled steps per BN variant with --trace (default %d; implies "
                         "--trace)" % ModelConfig.trace_steps)
     p.add_argument("--_worker", choices=("eigen", "onednn"), help=argparse.SUPPRESS)
@@ -219,6 +254,26 @@ def config_from_args(args):
 
 
 def main(argv=None):
+    """The command line; returns the exit status. A run stopped by Ctrl-C, a failed
+    correctness check and a model of the user's that cannot run end with a one-line message
+    on stderr, not a traceback."""
+    from .cases import CorrectnessError
+    from .model_variants import UserModelError
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C): the run stopped; its results were not written",
+              file=sys.stderr)
+        return 130
+    except CorrectnessError as e:
+        print("error: correctness check failed: %s" % e, file=sys.stderr)
+        return 1
+    except UserModelError as e:
+        print("error: %s" % e, file=sys.stderr)
+        return 2
+
+
+def _main(argv):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
         from .results_report import main_report
@@ -226,6 +281,9 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
+    if (args.min_reps is not None and args.max_reps is not None
+            and args.min_reps > args.max_reps):
+        parser.error("--min-reps %d is above --max-reps %d" % (args.min_reps, args.max_reps))
     if args.chain is not None:
         if not 1 <= args.chain <= MAX_CHAIN:
             parser.error("--chain must be between 1 and %d (float16 values grow with each "
@@ -236,7 +294,18 @@ def main(argv=None):
     if args.model:
         if args.layer or args.quick:
             parser.error("--model does not combine with --layer or --quick")
-        return main_model(args)
+        given = [flag for dest, flag in GRID_ONLY.items() if getattr(args, dest)]
+        if given:
+            parser.error("%s: the backward grid's option(s), not used by --model"
+                         % ", ".join(given))
+        return main_model(args, parser)
+    if args.store and not args._worker:
+        given = [flag for dest, flag in GRID_FILTERS.items()
+                 if getattr(args, dest) is not None]
+        if given:
+            parser.error("--store keeps the whole run that the docs' tables are made from "
+                         "(docs/BENCHMARK.md, \"Stored runs\"); %s select(s) a part of it: "
+                         "write such a run with --json FILE" % ", ".join(given))
     config = config_from_args(args)
     if args._worker:
         res = run(config, label=args._worker)

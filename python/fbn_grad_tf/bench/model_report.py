@@ -42,7 +42,14 @@ def format_model_block(res, meta):
     def line(vals):
         return "  ".join(("{:%s%d}" % (a, w)).format(v) for (_, a, w), v in zip(cols, vals))
 
-    out = [head, line([c[0] for c in cols]), line(["-" * c[2] for c in cols])]
+    out = [head]
+    fused = res.get("fused_path_layers")
+    if fused is not None and fused < res["bn_layers"]:
+        out.append("  warning: %s of its %d BN layers take our fused path (the others, e.g. "
+                   "on inputs of rank other than 4 and 5, run Keras' BN in every variant)%s"
+                   % ("none" if fused == 0 else "only %d" % fused, res["bn_layers"],
+                      ": ours and TF fused then run the same code" if fused == 0 else ""))
+    out += [line([c[0] for c in cols]), line(["-" * c[2] for c in cols])]
     for k in MODEL_VARIANT_KEYS:
         e = res["variants"].get(k)
         if e is None:
@@ -156,7 +163,8 @@ def summarize_models(results):
 
 
 def format_model_summary(rows):
-    cols = [("model", "<", 14), ("policy", "<", 14), ("ours ms", ">", 8),
+    name_w = max([14] + [len(str(r.get("model", ""))) for r in rows])  # a user's file path
+    cols = [("model", "<", name_w), ("policy", "<", 14), ("ours ms", ">", 8),
             ("TF/ours step", ">", 12), ("Keras/ours step", ">", 15), ("TF/ours BN", ">", 10),
             ("Keras/ours BN", ">", 13), ("BN % TF", ">", 7), ("BN % Keras", ">", 10),
             ("BN % ours", ">", 9), ("roofline ms", ">", 11), ("ours/roof", ">", 9)]

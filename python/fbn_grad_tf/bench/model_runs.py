@@ -15,9 +15,9 @@ from .cases import CorrectnessError
 from .timing import Progress, configure_threads, measure_bandwidth
 from .model_stats import TRACE_RATIO_BASE, model_stats, trace_stats
 from .model_variants import (
-    MODEL_VARIANTS, RATIO_BASE, _VARIANTS, _activation_types, _fused_path_layers, _is_bn,
-    _keras, _tf_ops, activations_after_bn, bn_facts, build_model, is_user_model,
-    model_data_shapes, selected_variants)
+    MODEL_VARIANTS, RATIO_BASE, UserModelError, _VARIANTS, _activation_types,
+    _fused_path_layers, _is_bn, _keras, _tf_ops, activations_after_bn, bn_facts, build_model,
+    is_user_model, model_data_shapes, selected_variants)
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 #: Bytes per element of the tensors BN reads and writes under each policy (compute dtype).
@@ -130,7 +130,7 @@ def run_one_model(name, config, variants, progress, bandwidth_gbs):
     base = build_model(name, config.size, config.classes)
     facts = bn_facts(base, config.batch)
     if not facts["bn_layers"]:
-        raise ValueError("%s has no BatchNormalization layer" % name)
+        raise UserModelError("--model %s: the model has no BatchNormalization layer" % name)
     models = {}
     for v in variants:
         models[v.key] = _compile(v.build(base), config)
@@ -332,7 +332,8 @@ def run_models(config=None, stream=None):
         bw = bw_meas["bandwidth"]
     units = (len(config.models) * (1 + len(variants) + config.reps + (2 if config.trace else 0))
              + (2 if config.pair else 0))
-    progress = Progress("model", [1] * units, stream=stream, enabled=config.progress)
+    progress = Progress("model", [1] * units, stream=stream, enabled=config.progress,
+                        unit="steps")
     meta = {"mode": "model", "tf_version": tf.__version__, "keras_version": _keras().__version__,
             "intra_op_threads": threads, "bandwidth_gbs": bw, "bandwidth": bw_meas,
             "variants": {v.key: {"header": v.header, "description": v.description,

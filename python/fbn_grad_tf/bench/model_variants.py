@@ -240,29 +240,50 @@ def is_user_model(name):
     return name.endswith((".keras", ".h5")) or ":" in name
 
 
+class UserModelError(ValueError):
+    """A model of the user's (--model path or module:factory) that the bench cannot run; the
+    command line prints its message as an error, without a traceback."""
+
+
 def _user_model(spec):
     keras = _keras()
     if spec.endswith((".keras", ".h5")):
         if not os.path.isfile(spec):
-            raise ValueError("--model %s: no such file" % spec)
-        model = keras.models.load_model(spec, compile=False)
+            raise UserModelError("--model %s: no such file" % spec)
+        try:
+            model = keras.models.load_model(spec, compile=False)
+        except Exception as e:  # pylint: disable=broad-except
+            raise UserModelError("--model %s: cannot load it as a Keras model (%s: %s)"
+                                 % (spec, type(e).__name__, str(e).split("\n")[0])) from None
+        policy = keras.mixed_precision.global_policy().name
+        saved = sorted({layer.dtype_policy.name for layer in model.layers if _is_bn(layer)})
+        if saved and saved != [policy]:
+            raise UserModelError(
+                "--model %s: its BatchNormalization layers were saved under the dtype policy "
+                "%s, and a saved file keeps it; run it with --policy %s (this run: %s), or "
+                "save the model under %s" % (spec, " and ".join(saved), saved[0], policy,
+                                             policy))
     else:
         module, _, attr = spec.partition(":")
         try:
             factory = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
-            raise ValueError("--model %s: cannot import %s from %s (%s)"
-                             % (spec, attr, module, e)) from None
-        model = factory()
+            raise UserModelError("--model %s: cannot import %s from %s (%s)"
+                                 % (spec, attr, module, e)) from None
+        try:
+            model = factory()
+        except Exception as e:  # pylint: disable=broad-except
+            raise UserModelError("--model %s: the factory raised %s: %s"
+                                 % (spec, type(e).__name__, str(e).split("\n")[0])) from None
     if not isinstance(model, keras.Model):
-        raise ValueError("--model %s: expected a keras.Model, got %s"
-                         % (spec, type(model).__name__))
+        raise UserModelError("--model %s: expected a keras.Model, got %s"
+                             % (spec, type(model).__name__))
     if len(model.inputs) != 1 or len(model.outputs) != 1:
-        raise ValueError("--model %s: the bench feeds one input and one output (a classifier "
+        raise UserModelError("--model %s: the bench feeds one input and one output (a classifier "
                          "trained with sparse categorical cross-entropy); this model has %d "
                          "and %d" % (spec, len(model.inputs), len(model.outputs)))
     if None in tuple(model.inputs[0].shape[1:]) or model.outputs[0].shape[-1] is None:
-        raise ValueError("--model %s: its input shape %s and output classes must be known "
+        raise UserModelError("--model %s: its input shape %s and output classes must be known "
                          "(build it with keras.Input of a fixed shape)"
                          % (spec, tuple(model.inputs[0].shape)))
     return model

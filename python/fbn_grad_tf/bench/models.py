@@ -63,10 +63,11 @@ from .model_report import (  # noqa: F401
     summarize_models)
 
 
-def main_model(args):
-    """The --model command: header, per-model blocks, summary, pair row; --json."""
+def main_model(args, parser=None):
+    """The --model command: header, per-model blocks, summary, pair row; --json. Argument
+    errors go to parser.error (exit 2 with the usage line) when a parser is given."""
     from .timing import _loadavg, _machine_meta
-    config = model_config_from_args(args)
+    config = model_config_from_args(args, parser)
     t0 = time.perf_counter()
     load_start = _loadavg()
     if load_start is not None and load_start > 0.75 * (os.cpu_count() or 1):
@@ -87,8 +88,11 @@ def main_model(args):
     if load_start is not None:
         print("load average (1 min) at start %.2f, at end %.2f on %d cores"
               % (load_start, meta["loadavg_1min_end"], meta["cores"]))
-    print("%d repetitions, %d warm-up steps per variant, %d classes, synthetic data"
-          % (config.reps, config.warmup, config.classes))
+    apps = [m for m in config.models if not is_user_model(m)]
+    print("%d repetitions, %d warm-up steps per variant, %ssynthetic data"
+          % (config.reps, config.warmup, "%d classes%s, " % (
+              config.classes, " (keras.applications models; a model of yours has its own)"
+              if len(apps) < len(config.models) else "") if apps else ""))
     print(model_legend(meta))
     for r in res["models"]:
         print()
@@ -114,7 +118,14 @@ def main_model(args):
     return 0
 
 
-def model_config_from_args(args):
+def model_config_from_args(args, parser=None):
+    """ModelConfig from the parsed arguments. A bad argument is parser.error (exit 2, usage)
+    with a parser, else SystemExit with the message."""
+    def error(msg):
+        if parser is not None:
+            parser.error(msg)
+        raise SystemExit(msg)
+
     cfg = ModelConfig()
     cfg.models = tuple(m.strip() for m in args.model.split(",") if m.strip())
     known = model_names()
@@ -122,11 +133,11 @@ def model_config_from_args(args):
     missing = [m for m in cfg.models
                if m.endswith((".keras", ".h5")) and not os.path.isfile(m)]
     if missing:
-        raise SystemExit("--model: no such file: %s" % ", ".join(missing))
+        error("--model: no such file: %s" % ", ".join(missing))
     if bad or not cfg.models:
-        raise SystemExit("--model: unknown model(s) %s; one of: %s; or a model of yours: "
-                         "path/to/model.keras or package.module:factory" % (
-                             ", ".join(bad) or "(none)", ", ".join(sorted(known))))
+        error("--model: unknown model(s) %s; one of: %s; or a model of yours: "
+              "path/to/model.keras or package.module:factory" % (
+                  ", ".join(bad) or "(none)", ", ".join(sorted(known))))
     for field, val in (("batch", args.batch), ("size", args.size), ("policy", args.policy),
                        ("reps", args.reps), ("threads", args.threads),
                        ("warmup", args.model_warmup), ("classes", args.classes),
@@ -139,13 +150,13 @@ def model_config_from_args(args):
         try:
             selected_variants(cfg)
         except ValueError as e:
-            raise SystemExit("--variants: %s" % e) from None
+            error("--variants: %s" % e)
     if args.no_pair:
         cfg.pair = False
     if args.trace or args.trace_steps is not None:
         cfg.trace = True
     if cfg.trace_steps < 1:
-        raise SystemExit("--trace-steps must be at least 1")
+        error("--trace-steps must be at least 1")
     if args.pair_shape:
         cfg.pair_shape = args.pair_shape
     if args.no_progress:

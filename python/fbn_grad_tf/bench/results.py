@@ -48,8 +48,9 @@ def write_results(args, data):
 
 def load_runs(paths=(RESULTS_DIR,)):
     """The stored runs under `paths` (JSON files, or directories searched recursively for
-    *.json), each a dict with its "meta" and its "path", sorted by path; runs that are not
-    bench output (no "meta") and paths that do not exist are left out."""
+    *.json), each a dict with its "meta" and its "path", sorted by path; JSON files that are
+    not bench output (no "meta", no results) are left out. ValueError for a path that does
+    not exist or a file that is not JSON."""
     files = []
     for p in paths:
         if os.path.isdir(p):
@@ -57,11 +58,17 @@ def load_runs(paths=(RESULTS_DIR,)):
                 files += [os.path.join(dirpath, n) for n in names if n.endswith(".json")]
         elif os.path.exists(p):
             files.append(p)
+        else:
+            raise ValueError("%s: no such file or directory" % p)
     runs = []
     for path in sorted(files):
         with open(path) as f:
-            data = json.load(f)
-        if isinstance(data, dict) and isinstance(data.get("meta"), dict):
+            try:
+                data = json.load(f)
+            except ValueError as e:
+                raise ValueError("%s is not JSON (%s)" % (path, e)) from None
+        if (isinstance(data, dict) and isinstance(data.get("meta"), dict)
+                and any(k in data for k in ("results", "models", "summary"))):
             data["path"] = path
             runs.append(data)
     return runs

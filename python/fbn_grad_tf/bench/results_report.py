@@ -134,8 +134,11 @@ def models_block(runs):
         meta = run["meta"]
         cfg = meta["config"]
         traced = any("trace" in m for m in run["models"])
-        out += ["", "**%s**, batch %d, %dx%d images, %d repetitions%s. %s" % (
-            cfg["policy"], cfg["batch"], cfg["size"], cfg["size"], cfg["reps"],
+        # A model of the user's has its own input shape ("input"); the others cfg["size"].
+        inputs = sorted({m.get("input") or "%dx%d" % (cfg["size"], cfg["size"])
+                         for m in run["models"]})
+        out += ["", "**%s**, batch %d, %s images, %d repetitions%s. %s" % (
+            cfg["policy"], cfg["batch"], " / ".join(inputs), cfg["reps"],
             " (+ %d profiled steps per BN variant)" % cfg["trace_steps"] if traced else "",
             run_line(meta)), ""]
         rows = []
@@ -454,14 +457,19 @@ def build_report_parser():
     p.add_argument("--root", default=".", help="the repository root for --update-docs "
                    "(default: the current directory)")
     p.add_argument("--chart", action="store_true",
-                   help="draw each machine kind's step times per model to "
-                        "<results>/<kind>/models.png (needs matplotlib)")
+                   help="draw each machine kind's step times per model to models.png "
+                        "beside that kind's models runs (<results>/<kind>/models.png for "
+                        "stored runs; needs matplotlib)")
     return p
 
 
 def main_report(argv=None):
     args = build_report_parser().parse_args(argv)
-    runs = load_runs(args.paths)
+    try:
+        runs = load_runs(args.paths)
+    except ValueError as e:
+        print("error: %s" % e, file=sys.stderr)
+        return 1
     if not runs:
         print("no stored runs under %s (run the bench with --store)" % ", ".join(args.paths),
               file=sys.stderr)
@@ -469,6 +477,10 @@ def main_report(argv=None):
     print(report_text(runs))
     rc = 0
     if args.update_docs:
+        if not doc_files(args.root):
+            print("error: --update-docs: no README.md or docs/*.md under %s (give the "
+                  "repository root with --root)" % os.path.abspath(args.root), file=sys.stderr)
+            return 1
         generated = blocks(runs)
         changed, placed, unknown = update_docs(generated, args.root)
         for path in changed:
@@ -481,13 +493,12 @@ def main_report(argv=None):
                   file=sys.stderr)
             rc = 1
     if args.chart:
-        base = args.paths[0] if len(args.paths) == 1 and os.path.isdir(args.paths[0]) \
-            else RESULTS_DIR
         for slug, (kind, rs) in kinds(runs).items():
             models = [r for r in rs if "models" in r]
             if not models:
                 continue
-            path = os.path.join(base, slug, "models.png")
+            # Beside the runs it is drawn from: <results>/<kind>/ for stored runs.
+            path = os.path.join(os.path.dirname(models[0]["path"]), "models.png")
             msg = chart(models, path, kind)
             if msg:
                 print(msg, file=sys.stderr)

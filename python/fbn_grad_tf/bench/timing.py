@@ -138,8 +138,9 @@ class Progress:
     """A plain-text progress line on stderr ('\\r'-updated on a terminal, else one line per
     case). Progress is weighted by tensor size for the ETA."""
 
-    def __init__(self, label, weights, stream=None, enabled=True):
+    def __init__(self, label, weights, stream=None, enabled=True, unit="cases"):
         self.label = label
+        self.unit = unit
         self.total_w = float(sum(weights)) or 1.0
         self.count = len(weights)
         self.done_w = 0.0
@@ -172,8 +173,12 @@ class Progress:
     def close(self):
         if not self.enabled:
             return
-        line = "[%s] %d cases in %s" % (self.label, self.done,
-                                        _fmt_duration(time.perf_counter() - self.t0))
+        elapsed = _fmt_duration(time.perf_counter() - self.t0)
+        if self.done < self.count:  # an exception or Ctrl-C ended the run
+            line = "[%s] stopped after %d of %d %s, %s" % (self.label, self.done, self.count,
+                                                          self.unit, elapsed)
+        else:
+            line = "[%s] %d %s in %s" % (self.label, self.done, self.unit, elapsed)
         self.stream.write(("\r\033[K" if self.tty else "") + line + "\n")
         self.stream.flush()
 
