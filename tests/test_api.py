@@ -172,6 +172,31 @@ def test_scope_rejects_bad_graph_and_names():
         Scope().with_sub_scope("")
     with pytest.raises(ValueError):
         Scope().with_name(None)
+    # Checked when the scope is made (as Java's Scope does), also in eager code, where no
+    # op name is ever used.
+    for bad in ("a b", "/abs", "x:0", "_lead"):
+        with pytest.raises(ValueError, match="not a valid TensorFlow name"):
+            Scope().with_name(bad)
+        with pytest.raises(ValueError, match="not a valid TensorFlow name"):
+            Scope().with_sub_scope(bad)
+    with pytest.raises(TypeError, match="device must be a string"):
+        Scope().with_device(None)
+    with pytest.raises(ValueError):
+        Scope().with_device("/bogus:x:y")
+
+
+def test_scope_control_dependencies_take_one_op_or_a_list():
+    g = tf.Graph()
+    with g.as_default():
+        a, b, e = tf.constant(1.0), tf.constant(2.0), tf.constant(3.0)
+        one = Scope(g).with_control_dependencies(a)
+        many = Scope(g).withControlDependencies([a.op, b])
+        with one.context():
+            c = tf.identity(b)
+        with many.context():
+            d = tf.identity(e)
+    assert a.op in c.op.control_inputs
+    assert {a.op, b.op} <= set(d.op.control_inputs)
 
 
 # ---- outputs --------------------------------------------------------------------------------

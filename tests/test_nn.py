@@ -281,6 +281,34 @@ def test_use_for_gradients_override_tag_persists():
     _close(step(x), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_use_for_gradients_overlapping_blocks_on_one_graph():
+    """Blocks that overlap on one graph (from threads, or left out of order): the tag holds
+    until the last one leaves, then what was there before is back (nothing left behind)."""
+    g = tf.Graph()
+
+    def fwd_tag():
+        with g.as_default():
+            y = tf.raw_ops.FusedBatchNormV3(x=tf.ones([2, 3, 3, 4]), scale=tf.ones([4]),
+                                            offset=tf.zeros([4]), mean=tf.constant([]),
+                                            variance=tf.constant([]), epsilon=1e-3)[0]
+        try:
+            return y.op.get_attr("_gradient_op_type")
+        except ValueError:
+            return None
+
+    with g.as_default():
+        a, b = fbn_grad_tf.use_for_gradients(registry=False), \
+            fbn_grad_tf.use_for_gradients(registry=False, op_types="FusedBatchNormV3")
+        with g.gradient_override_map({"FusedBatchNormV2": "Custom"}):  # someone else's entry
+            a.__enter__()
+            b.__enter__()
+            a.__exit__(None, None, None)  # out of order: b is still active
+            assert fwd_tag() == b"FbnGrad>FusedBatchNormV3"
+            b.__exit__(None, None, None)
+            assert fwd_tag() is None
+            assert g._gradient_override_map == {"FusedBatchNormV2": "Custom"}  # pylint: disable=protected-access
+
+
 def test_use_for_gradients_tf1_graph_and_versions():
     xv, sv, ov, mv, vv, wv = (t.numpy() for t in _data("NHWC"))
     out = {}

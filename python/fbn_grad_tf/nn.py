@@ -20,6 +20,7 @@ import collections
 import contextlib
 import dataclasses
 import threading
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.framework import ops as _tf_ops
@@ -313,6 +314,43 @@ def _patched_gradient_registry(op_types):
                         table[t] = saved
 
 
+# Per graph and op type: [blocks active, the override that was there before (or _ABSENT)].
+_graph_tags = weakref.WeakKeyDictionary()
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def _tagged_graph(graph, mapping):
+    """While active, `graph` tags the forward ops of `mapping`'s op types with our gradient
+    (the gradient override map that Graph.gradient_override_map sets). Reference-counted per
+    graph and op type under the patch lock, so blocks that overlap on one graph from several
+    threads, or exit out of order, keep the tag until the last one leaves and then restore
+    what was there (Graph.gradient_override_map restores a snapshot: an overlapping block
+    dropped the tag early and left it for good)."""
+    table = graph._gradient_override_map  # pylint: disable=protected-access
+    with _patch_lock:
+        entries = _graph_tags.setdefault(graph, {})
+        for op_type, name in mapping.items():
+            entry = entries.get(op_type)
+            if entry is None:
+                entry = entries[op_type] = [0, table.get(op_type, _ABSENT)]
+                table[op_type] = name
+            entry[0] += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            for op_type in mapping:
+                entry = entries[op_type]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del entries[op_type]
+                    if entry[1] is _ABSENT:
+                        table.pop(op_type, None)
+                    else:
+                        table[op_type] = entry[1]
+
+
 _forward_patch_depth = 0
 _saved_forward = None
 
@@ -402,7 +440,12 @@ class use_for_gradients(contextlib.ContextDecorator):  # noqa: N801 (reads like 
         the block is tagged (attr ``_gradient_op_type``). Gradients built later by
         ``tf.gradients``/``tf.compat.v1.gradients``, or by a GradientTape outside the
         tf.function that traced the op, use our op even after the block has exited.
-        GradientTape *inside* a tf.function ignores this tag.
+        GradientTape *inside* a tf.function ignores this tag. Ops built in the graphs of
+        tf.cond / tf.while_loop branches or of a nested tf.function are not tagged (TF
+        does not carry the map into them): build their gradients inside the block
+        (registry=True), or their forward with TF's Python builder (forward=True).
+        Reference-counted per graph: blocks that overlap on one graph keep the tag until
+        the last leaves.
 
     registry=True
         While the block is active, TF's gradient registry entry for those op types is
@@ -442,8 +485,8 @@ class use_for_gradients(contextlib.ContextDecorator):  # noqa: N801 (reads like 
         stack = contextlib.ExitStack()
         try:
             if self._graph and not tf.executing_eagerly():
-                g = tf.compat.v1.get_default_graph()
-                stack.enter_context(g.gradient_override_map(
+                stack.enter_context(_tagged_graph(
+                    tf.compat.v1.get_default_graph(),
                     {t: _grads.FORWARD_GRAD_NAMES[t] for t in self._op_types}))
             if self._registry:
                 stack.enter_context(_patched_gradient_registry(self._op_types))

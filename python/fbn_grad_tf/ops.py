@@ -12,6 +12,7 @@ org.tensorflow.op.nn.FusedBatchNorm) and functional forms.
 import collections
 import contextlib
 import numbers
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -203,10 +204,18 @@ class Scope:
         state.update(kw)
         return Scope(**state)
 
-    @staticmethod
-    def _check_name(name, what):
+    # TF's rules for op names and name scopes (one path component each here), checked when
+    # the scope is made, as Java's Scope does, not when an op is built (which in eager code
+    # would never be: eager ops are not named).
+    _VALID_NAME = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9_.\-]*$")
+
+    @classmethod
+    def _check_name(cls, name, what):
         if not isinstance(name, str) or not name:
             raise ValueError("%s must be a non-empty string, got %r" % (what, name))
+        if not cls._VALID_NAME.match(name):
+            raise ValueError("%s %r is not a valid TensorFlow name: a letter, digit or '.', "
+                             "then letters, digits, '_', '.' or '-'" % (what, name))
         return name
 
     def with_name(self, name):
@@ -220,11 +229,20 @@ class Scope:
 
     def with_device(self, device):
         """Ops are placed on `device` (a string such as "/CPU:0", or a tf.DeviceSpec)."""
-        return self._replace(_device=device.to_string() if hasattr(device, "to_string")
-                             else str(device))
+        if hasattr(device, "to_string"):
+            device = device.to_string()
+        if not isinstance(device, str):
+            raise TypeError("device must be a string such as \"/CPU:0\" or a tf.DeviceSpec, "
+                            "got %r" % (device,))
+        tf.DeviceSpec.from_string(device)  # ValueError now for a malformed spec
+        return self._replace(_device=device)
 
     def with_control_dependencies(self, controls):
-        """Ops built in this scope run after `controls` (ops or tensors) in graphs."""
+        """Ops built in this scope run after `controls` (a list of ops or tensors, or one)
+        in graphs."""
+        if (isinstance(controls, (tf.Operation, tf.Tensor, tf.Variable))
+                or not hasattr(controls, "__iter__")):
+            controls = (controls,)
         return self._replace(_control=self._control + tuple(controls))
 
     # Java camelCase aliases.
