@@ -237,6 +237,35 @@ def test_layer_side_input_that_broadcasts_matches_keras():
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("x_sig,side_sig,side_shape", [
+    ((None, None, None, 3), (None, 1, 1, 3), (2, 1, 1, 3)),   # sizes unknown, side pooled
+    ((None, 5, 5, 3), (1, 5, 5, 3), (1, 5, 5, 3)),            # batch unknown, side one image
+])
+def test_layer_side_input_that_may_broadcast_in_a_traced_step(x_sig, side_sig, side_shape):
+    """Traced with unknown sizes, a side input whose static shape shows a 1 where x's size
+    is unknown may broadcast: it is added by TF ops after ours, and the training step gives
+    Keras' BN + Add + ReLU."""
+    keras.utils.set_random_seed(16)
+    ours, ref = FbnBN(activation="relu"), L.BatchNormalization()
+    x, side = _rand((2, 5, 5, 3), 17), _rand(side_shape, 18)
+    ours.build(x.shape)
+    ref.build(x.shape)
+
+    @tf.function(input_signature=[tf.TensorSpec(x_sig), tf.TensorSpec(side_sig)])
+    def step(x, side):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y1 = ours(x, training=True, side_input=side)
+        with tf.GradientTape() as tape2:
+            tape2.watch(x)
+            y2 = tf.nn.relu(ref(x, training=True) + side)
+        return y1, y2, tape.gradient(y1, x), tape2.gradient(y2, x)
+
+    y1, y2, g1, g2 = step(x, side)
+    np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["functional", "sequential"])
 def test_float64_model(kind):
     """float64 is not a dtype of the op: the converted layers fall back to Keras' own math

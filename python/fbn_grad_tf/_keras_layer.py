@@ -57,7 +57,8 @@ __all__ = ["BatchNormalization", "fused_data_format", "override", "override_enab
 
 def fused_data_format(layer, input_shape, dtype=None, mask=None):
     """The data_format the fused path uses for this call of the Keras BatchNormalization
-    `layer` (ours or Keras' own), or None (Keras' implementation)."""
+    `layer` (ours or Keras' own), or None: not the fused path (Keras' implementation, or for
+    a synchronized layer the cross-replica path of fbn_grad_tf.sync, docs/SYNC.md)."""
     if mask is not None or _compat.renorm(layer) or layer.synchronized:
         return None
     if dtype is not None and tf.as_dtype(dtype) not in _FUSED_DTYPES:
@@ -118,10 +119,14 @@ def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_gr
                 data_format=data_format, is_training=True)
             y = apply_activation(y, activation, side_input)
         else:  # the activation and side input are fused (or nn.py applies them)
-            # The fused op takes a side input of x's shape; one that broadcasts (as Keras'
-            # Add allows) is added after our op by TF ops, with the activation, as in
-            # inference.
-            fuse_side = side_input is None or side_input.shape.is_compatible_with(x.shape)
+            # The fused op takes a side input of x's shape; one whose static shape differs
+            # from x's anywhere (it broadcasts, as Keras' Add allows, or may: a known 1
+            # against an unknown size) is added after our op by TF ops, with the
+            # activation, as in inference. Sizes unknown in both are taken as equal (a
+            # residual block traced with dynamic sizes); the op checks them when it runs.
+            fuse_side = side_input is None or (
+                side_input.shape.rank is not None and x.shape.rank is not None
+                and tuple(side_input.shape) == tuple(x.shape))
             y, batch_mean, batch_var = _fused_batch_norm_v3(
                 x, gamma, beta, empty, empty, BatchNormParams(
                     epsilon=layer.epsilon, exponential_avg_factor=1.0,
@@ -228,7 +233,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
     # -- which path ------------------------------------------------------------------------
 
     def fused_data_format(self, input_shape, dtype=None, mask=None):
-        """The data_format the fused path uses for this input, or None (Keras fallback)."""
+        """The data_format the fused path uses for this input, or None (not the fused path:
+        Keras' fallback, or the cross-replica path of a synchronized layer)."""
         return fused_data_format(self, input_shape, dtype, mask)
 
     # -- call ------------------------------------------------------------------------------
