@@ -63,6 +63,26 @@ def test_on_off_call_and_nesting():
     assert not nn.registry_patched()  # the tf_keras routing is off again
 
 
+def test_overlapping_blocks_and_a_reused_object():
+    """Blocks are counted: left out of order (as from two threads) the override stays on
+    while one remains and is off, with TF's registry restored, after the last; an override()
+    object entered twice is on both times."""
+    from fbn_grad_tf import nn
+    a, b = override(), override()
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert override_enabled()
+    b.__exit__(None, None, None)
+    assert not override_enabled() and not nn.registry_patched()
+    assert getattr(keras.layers.BatchNormalization(), "_fbn_grad_tf_override", False) is False
+    ov = override()
+    for _ in range(2):
+        with ov:
+            assert override_enabled()
+        assert not override_enabled()
+
+
 def test_subclassed_model_created_under_override():
     x, y = oracle.data(0, (8, 8, 8, 3), classes=3)
     keras.utils.set_random_seed(1)

@@ -251,7 +251,9 @@ class BatchNormalization(keras.layers.BatchNormalization):
 # ---- override() ----------------------------------------------------------------------------
 
 _override_lock = threading.RLock()
-_override_on = False
+_override_on = False      # the effective state: _override_manual or a block on, none off
+_override_manual = False  # override() / override(False) called as a switch
+_override_blocks = {True: 0, False: 0}  # `with override(enable)` blocks active, per enable
 _override_stack = None   # the tf_keras routing (nn.use_for_gradients' patches) while on
 _hooks_installed = False
 _KERAS_INIT = keras.layers.BatchNormalization.__init__
@@ -291,6 +293,15 @@ def _install_hooks():
         keras.layers.BatchNormalization.__init__ = _init_hook
         keras.layers.BatchNormalization.call = _call_hook
         _hooks_installed = True
+
+
+def _apply_override():
+    """Makes the hooks and patches match the effective state (call under _override_lock):
+    on while switched on or inside a `with override()` block, unless inside a
+    `with override(False)` block. Counted, so blocks that overlap (threads) or are left out
+    of order leave the state as the remaining ones say."""
+    _set_override((_override_manual or _override_blocks[True] > 0)
+                  and _override_blocks[False] == 0)
 
 
 def _set_override(on):
@@ -354,12 +365,32 @@ class override:  # noqa: N801 (used like a function)
     """
 
     def __init__(self, enable=True):
-        self._prev = _set_override(bool(enable))
+        global _override_manual
+        self._enable = bool(enable)
+        self._depth = 0
+        with _override_lock:
+            # Called as a switch it acts now; a `with` block takes the switch back at entry
+            # and counts itself instead (__enter__).
+            self._prev_manual, _override_manual = _override_manual, self._enable
+            self._switched = True
+            _apply_override()
 
     def __enter__(self):
+        global _override_manual
+        with _override_lock:
+            if self._switched:
+                _override_manual = self._prev_manual
+                self._switched = False
+            _override_blocks[self._enable] += 1
+            self._depth += 1
+            _apply_override()
         return self
 
     def __exit__(self, *exc):
-        _set_override(self._prev)
+        with _override_lock:
+            if self._depth > 0:
+                self._depth -= 1
+                _override_blocks[self._enable] -= 1
+                _apply_override()
         return False
 
