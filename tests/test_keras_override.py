@@ -68,8 +68,9 @@ def test_overlapping_blocks_and_a_reused_object():
     while one remains and is off, with TF's registry restored, after the last; an override()
     object entered twice is on both times."""
     from fbn_grad_tf import nn
-    a, b = override(), override()
+    a = override()  # as `with` does: made, then entered
     a.__enter__()
+    b = override()
     b.__enter__()
     a.__exit__(None, None, None)
     assert override_enabled()
