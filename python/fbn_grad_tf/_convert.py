@@ -21,6 +21,7 @@ import keras
 
 from . import nn as _nn
 from ._keras_layer import BatchNormalization as _FbnBN
+from ._keras_layer import same_static_shape
 
 __all__ = ["convert", "revert", "ConvertReport", "FusedIntoBatchNorm"]
 
@@ -486,7 +487,7 @@ class _Converter:
                 reason = "the BN output is also a model output"
             elif isinstance(layer, _FbnBN) and layer.activation is not None:
                 reason = "the layer already applies activation %r" % layer.activation
-            elif fusion.other is not None and not _same_static_shape(fusion.other, out):
+            elif fusion.other is not None and not same_static_shape(fusion.other, out):
                 reason = ("the Add broadcasts: its inputs have shapes %s and %s (the fused op "
                           "takes a side input of the BN output's shape)"
                           % (tuple(fusion.other.shape), tuple(out.shape)))
@@ -543,13 +544,6 @@ class _Converter:
                                                   and fusion.pattern.side_input else 0)
             self.report.fused.append((n.operation.name, removed, fusion.activation))
         return fusions
-
-
-def _same_static_shape(a, b):
-    """Whether Keras tensors a and b have the same shape: the same rank and, dimension by
-    dimension, the same size or both unknown (a residual Add broadcasts otherwise, or may)."""
-    sa, sb = tuple(a.shape), tuple(b.shape)
-    return len(sa) == len(sb) and all(p == q for p, q in zip(sa, sb))
 
 
 def _clone_layer(layer, pairs, shared):

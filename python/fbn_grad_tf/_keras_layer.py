@@ -55,6 +55,16 @@ _KERAS_CALL = keras.layers.BatchNormalization.call
 __all__ = ["BatchNormalization", "fused_data_format", "override", "override_enabled"]
 
 
+def same_static_shape(a, b):
+    """Whether tensors (or Keras tensors) a and b have the same static shape: a known rank
+    on both and, dimension by dimension, the same size or both unknown. The fused op takes
+    a side input only then; otherwise it broadcasts, or may (a known 1 against an unknown)."""
+    sa, sb = tf.TensorShape(a.shape), tf.TensorShape(b.shape)  # Keras tensors: tuples
+    if sa.rank is None or sb.rank is None:
+        return False
+    return sa.as_list() == sb.as_list()
+
+
 def fused_data_format(layer, input_shape, dtype=None, mask=None):
     """The data_format the fused path uses for this call of the Keras BatchNormalization
     `layer` (ours or Keras' own), or None: not the fused path (Keras' implementation, or for
@@ -124,9 +134,7 @@ def _fbn_call(layer, inputs, training, mask, activation=None, forward_op="fbn_gr
             # against an unknown size) is added after our op by TF ops, with the
             # activation, as in inference. Sizes unknown in both are taken as equal (a
             # residual block traced with dynamic sizes); the op checks them when it runs.
-            fuse_side = side_input is None or (
-                side_input.shape.rank is not None and x.shape.rank is not None
-                and tuple(side_input.shape) == tuple(x.shape))
+            fuse_side = side_input is None or same_static_shape(side_input, x)
             y, batch_mean, batch_var = _fused_batch_norm_v3(
                 x, gamma, beta, empty, empty, BatchNormParams(
                     epsilon=layer.epsilon, exponential_avg_factor=1.0,
