@@ -164,12 +164,30 @@ def max_rel_diff(a, b):
     return out
 
 
+# The biases of the layers right before a BN (build_model): their gradient is zero in exact
+# math, so both values are float32 rounding noise, which depends on every kernel on the way
+# (2.0e-6 in ours on TF's Eigen kernels, an AVX2-only AMD EPYC, against max_rel_diff's 2e-6
+# floor). compare() bounds them apart: |value| < ZERO_GRAD_BOUND in both.
+BN_FED_BIASES = ("conv/bias", "dense/bias")
+ZERO_GRAD_BOUND = 1e-5
+
+
 def compare(result, reference):
-    """Largest relative differences of gradients/weights/losses (keys present in both)."""
+    """Largest relative differences of gradients/weights/losses (keys present in both);
+    'zero_grads': the largest |gradient| of BN_FED_BIASES in either, over ZERO_GRAD_BOUND,
+    times 1e-4 (so that the tests' single bound of 1e-4 applies to every entry)."""
     out = {}
     for part in ("grads", "weights"):
         if part in result and part in reference:
-            out[part] = max(max_rel_diff(result[part], reference[part]).values())
+            res, ref = result[part], reference[part]
+            if part == "grads":
+                zero = [k for k in ref if k in BN_FED_BIASES]
+                out["zero_grads"] = 1e-4 * max(
+                    [float(np.max(np.abs(np.asarray(d[k], np.float64))))
+                     for k in zero for d in (res, ref)] + [0.0]) / ZERO_GRAD_BOUND
+                res = {k: v for k, v in res.items() if k not in zero}
+                ref = {k: v for k, v in ref.items() if k not in zero}
+            out[part] = max(max_rel_diff(res, ref).values())
     out["losses"] = float(np.max(np.abs(np.subtract(result["losses"], reference["losses"]))))
     return out
 

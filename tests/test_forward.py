@@ -170,6 +170,11 @@ def test_large_mean_is_exact_where_naive_sums_fail(fmt, shape_nhwc):
 
 
 def test_empty_batch_matches_tf():
+    """Batch statistics as TF's; zero reserve spaces, as TF's oneDNN kernel gives them. TF's
+    Eigen kernel (the default where the CPU lacks AVX-512) returns before it writes its
+    reserve spaces, so theirs hold whatever the allocator had (seen: 3e-41, -4e+32)."""
+    from tensorflow.python.util import _pywrap_util_port
+    tf_zeroes_reserve = bool(_pywrap_util_port.IsMklEnabled())
     x = np.zeros((0, 3, 4, 5), np.float32)
     c = np.ones(5, np.float32)
     for training, factor in [(True, 1.0), (True, 0.5), (False, 1.0)]:
@@ -178,8 +183,12 @@ def test_empty_batch_matches_tf():
         theirs = run_op(x, c, c, stats, stats, "NHWC", training, factor,
                         op=tf.raw_ops.FusedBatchNormV3)
         assert ours[0].shape == x.shape
-        for a, b in zip(ours[1:5], theirs[1:5]):
-            np.testing.assert_array_equal(a, b)  # NaN batch statistics, zero reserve spaces
+        for a, b in zip(ours[1:3], theirs[1:3]):
+            np.testing.assert_array_equal(a, b)  # NaN batch statistics (training)
+        for a, b in zip(ours[3:5], theirs[3:5]):
+            np.testing.assert_array_equal(a, np.zeros_like(a))
+            if tf_zeroes_reserve:
+                np.testing.assert_array_equal(a, b)
 
 
 # ---- determinism ------------------------------------------------------------------------------

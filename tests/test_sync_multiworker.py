@@ -90,8 +90,7 @@ def test_multiworker_matches_single_replica_global_batch(tmp_path):
         assert r["replicas"] == 2
         for kind in ("fbn", "keras"):
             diff = S.compare(r[kind], reference)
-            assert diff["grads"] < TOL and diff["weights"] < TOL and diff["losses"] < TOL, (
-                r["task"], kind, diff)
+            assert max(diff.values()) < TOL, (r["task"], kind, diff)
         assert r["fbn"]["fbn_ops"] == ["FbnGrad>BatchNormGradApply",
                                        "FbnGrad>BatchNormGradReduce"]
         # Ours and Keras' synchronized layer agree with each other too.
