@@ -65,15 +65,13 @@ def biases_before_bn(model):
     return paths
 
 
-def seeds_for(name):
-    """The batches (seeds) to compare `name` on: eleven for every model. The deep models flip
-    ReLU/max-pool decisions between float32 and float64 on about half of the batches, for
-    Keras' model as for ours, and a flip dominates a batch's error: five batches leave the
-    median to chance (ResNet50V2: ours 0.0027 vs Keras 0.00013 over 5, 0.0078 vs 0.0097 over
-    11). MobileNetV2's gradients on TF's Eigen kernels (an AVX2-only AMD EPYC, where oneDNN
-    is off): ours/Keras 1.50x over 5 batches, 1.27x over 11."""
-    del name
-    return range(11)
+# The batches (seeds) every model is compared on. The deep models flip ReLU/max-pool
+# decisions between float32 and float64 on about half of the batches, for Keras' model as for
+# ours, and a flip dominates a batch's error: five batches leave the median to chance
+# (ResNet50V2: ours 0.0027 vs Keras 0.00013 over 5, 0.0078 vs 0.0097 over 11; MobileNetV2's
+# gradients on TF's Eigen kernels, an AVX2-only AMD EPYC: ours/Keras 1.50x over 5, 1.27x
+# over 11).
+SEEDS = range(11)
 
 
 def data(seed, shape=(BATCH, SIZE, SIZE, 3), classes=CLASSES):

@@ -176,6 +176,40 @@ def test_grid_block(stored):
     assert text.index("### ops-") < text.index("### grid-") < text.index("### layer-")
 
 
+def test_blocks_show_tf_eigen_where_it_is_the_default(stored):
+    """A run whose main process ran TF's Eigen kernels (oneDNN off by default): the ops and
+    grid blocks add TF Eigen / ours beside TF oneDNN / ours (from the worker)."""
+    grid = _grid_run()
+    grid["meta"]["tf_backend_main"] = "eigen"
+    for r in grid["results"]:
+        r["speedup_eigen"] = 2 * r["speedup_onednn"] if r["speedup_onednn"] else None
+    (stored / SLUG / "ops.json").write_text(json.dumps(grid))
+    quick = json.loads((stored / SLUG / "quick.json").read_text())
+    quick["meta"]["tf_backend_main"] = "eigen"
+    for r in quick["results"]:
+        r["speedup_eigen"] = 3.0
+    (stored / SLUG / "quick.json").write_text(json.dumps(quick))
+    gen = bench.blocks(bench.load_runs([str(stored)]))
+    ops = gen["ops-" + SLUG]
+    assert _rows(ops, "shape")[0] == [
+        "shape", "format", "dtype", "training ours ms", "training TF oneDNN / ours",
+        "training TF Eigen / ours", "inference ours ms", "inference TF oneDNN / ours",
+        "inference TF Eigen / ours"]
+    assert _rows(ops, "32x28x28x512") == [["32x28x28x512", "NHWC", "float32", "1.500", "2.00x",
+                                           "3.00x", "1.500", "1.00x", "3.00x"]]
+    assert "TF Eigen / ours, geomean 3.00x" in ops
+    rows = _rows(gen["grid-" + SLUG], "float32")
+    assert rows[0][-2:] == ["3.29x", "1.80x (256x1x1x4096)"]  # (6 * 1.8) ** (1/2)
+    assert rows[3][-2:] == ["n/a", "n/a"]  # neither TF backend ran NCHW inference
+    assert "TF Eigen / ours, geomean 3.29x" in gen["grid-" + SLUG]
+
+
+def test_blocks_without_eigen_default_have_no_eigen_columns(stored):
+    (stored / SLUG / "ops.json").write_text(json.dumps(_grid_run()))
+    gen = bench.blocks(bench.load_runs([str(stored)]))
+    assert "TF Eigen" not in gen["ops-" + SLUG] and "TF Eigen" not in gen["grid-" + SLUG]
+
+
 def _block(name, body):
     return "<!-- BEGIN GENERATED: %s -->\n%s\n<!-- END GENERATED: %s -->\n" % (name, body, name)
 

@@ -249,7 +249,7 @@ FUSED_ADDS = {"ResNet50": 12}  # BN+Add+ReLU fusions (they absorb two layers eac
     pytest.param(n, marks=pytest.mark.slow) for n in SLOW_APPS])
 def test_application_converted_matches_float64_oracle(name):
     """convert(app): every BN ours, the fusions expected, and one training step as close to
-    the float64 model as Keras' own float32 model (medians over 5 seeds)."""
+    the float64 model as Keras' own float32 model (medians over oracle.SEEDS)."""
     k32 = oracle.build_app(name)
     k64 = oracle.build_app(name, "float64")
     conv, rep = convert(k32, return_report=True)
@@ -267,7 +267,7 @@ def test_application_converted_matches_float64_oracle(name):
                   if isinstance(layer, fbn_grad_tf.keras.FusedIntoBatchNorm)) == sorted(absorbed)
     x = oracle.data(9)[0]
     np.testing.assert_allclose(conv(x), k32(x), rtol=1e-5, atol=1e-5)  # inference
-    errs = oracle.compare(conv, k32, k64, seeds=oracle.seeds_for(name))
+    errs = oracle.compare(conv, k32, k64, seeds=oracle.SEEDS)
     oracle.assert_as_good_as_keras(errs, label=name)
 
 

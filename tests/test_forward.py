@@ -171,7 +171,7 @@ def test_large_mean_is_exact_where_naive_sums_fail(fmt, shape_nhwc):
 
 def test_empty_batch_matches_tf():
     """Batch statistics as TF's; zero reserve spaces, as TF's oneDNN kernel gives them. TF's
-    Eigen kernel (the default where the CPU lacks AVX-512) returns before it writes its
+    Eigen kernel (TF's default where oneDNN is off) returns before it writes its
     reserve spaces, so theirs hold whatever the allocator had (seen: 3e-41, -4e+32)."""
     from tensorflow.python.util import _pywrap_util_port
     tf_zeroes_reserve = bool(_pywrap_util_port.IsMklEnabled())

@@ -137,7 +137,7 @@ def test_load_model_under_override(tmp_path):
     for n in ("ResNet50", "ResNet50V2", "DenseNet121", "EfficientNetB0")])
 def test_application_under_override_matches_float64_oracle(name):
     """The model constructor run under override(): same float64-oracle criterion as
-    convert's test (medians over oracle.seeds_for(name) batches)."""
+    convert's test (medians over oracle.SEEDS batches)."""
     k32 = oracle.build_app(name)
     k64 = oracle.build_app(name, "float64")
     with override():
@@ -145,7 +145,7 @@ def test_application_under_override_matches_float64_oracle(name):
     ours.set_weights(k32.get_weights())
     x, y = oracle.data(0)
     assert OURS_BWD in step_types(ours, x, y)
-    errs = oracle.compare(ours, k32, k64, seeds=oracle.seeds_for(name))
+    errs = oracle.compare(ours, k32, k64, seeds=oracle.SEEDS)
     oracle.assert_as_good_as_keras(errs, label=name + " under override")
 
 

@@ -180,7 +180,9 @@ def ops_block(run):
         dtype, fmt, shape = key
         return _rank(DTYPES, dtype), _rank(FORMATS, fmt), shape_order[shape]
 
+    eigen = _eigen_default(run)
     rows, per_mode = [], {"training": [], "inference": []}
+    per_mode_eigen = {"training": [], "inference": []}
     for key in sorted(cases, key=order):
         modes = cases[key]
         tensor_shape = next(iter(modes.values()))["tensor_shape"]
@@ -189,16 +191,48 @@ def ops_block(run):
             r = modes.get(mode) or {}
             row += [_ms(r.get("ours_ms"), "%.3f"), _x(r.get("speedup_onednn"))]
             per_mode[mode].append(r.get("speedup_onednn"))
+            if eigen:
+                row.append(_x(r.get("speedup_eigen")))
+                per_mode_eigen[mode].append(r.get("speedup_eigen"))
         rows.append(row)
     every = per_mode["training"] + per_mode["inference"]
-    rows.append(["geomean, %d cases" % sum(1 for v in every if v), "", "", "",
-                 _x(_geomean(per_mode["training"])), "", _x(_geomean(per_mode["inference"]))])
+    geo = ["geomean, %d cases" % sum(1 for v in every if v), "", ""]
+    for mode in ("training", "inference"):
+        geo += ["", _x(_geomean(per_mode[mode]))]
+        if eigen:
+            geo.append(_x(_geomean(per_mode_eigen[mode])))
+    rows.append(geo)
+    head = ["shape", "format", "dtype"]
+    for mode in ("training", "inference"):
+        head += ["%s ours ms" % mode, "%s TF oneDNN / ours" % mode]
+        if eigen:
+            head.append("%s TF Eigen / ours" % mode)
     out = ["", run_line(run["meta"]), ""]
-    out += _table(["shape", "format", "dtype", "training ours ms", "training TF oneDNN / ours",
-                   "inference ours ms", "inference TF oneDNN / ours"], rows, text_cols=3)
+    out += _table(head, rows, text_cols=3)
     out += ["", "Geomean over all cases, training and inference: %s. Ratios: TF oneDNN's "
             "median ms / ours (>1: ours faster), same process, interleaved." % _x(_geomean(every))]
+    if eigen:
+        out += ["", EIGEN_NOTE % _x(_geomean(per_mode_eigen["training"] +
+                                             per_mode_eigen["inference"]))]
     return out
+
+
+# Where the CPU lacks AVX-512 VNNI/BF16, AVX-VNNI and AMX, TF runs its Eigen kernels by
+# default (oneDNN off, and a non-pooling allocator); the bench then times oneDNN in a worker
+# process (TF_ENABLE_ONEDNN_OPTS=1) and the blocks show both.
+EIGEN_NOTE = ("TF's default on this CPU is its Eigen kernels (TF turns oneDNN on by default "
+              "only where the CPU has AVX-512 VNNI or BF16, AVX-VNNI or AMX): TF Eigen / "
+              "ours, geomean %s, compares with what TF users get here; TF oneDNN "
+              "(TF_ENABLE_ONEDNN_OPTS=1) ran in a worker process, against ours in that "
+              "process. \"ours ms\": this process's, on TF's default (non-pooling) "
+              "allocator, whose fresh outputs page-fault.")
+
+
+def _eigen_default(run):
+    """Whether the run's main process ran TF's Eigen kernels (TF's default where oneDNN is
+    off), so that the blocks also show TF Eigen / ours."""
+    return run["meta"].get("tf_backend_main") == "eigen" and any(
+        r.get("speedup_eigen") for r in run["results"])
 
 
 def _pct(v):
@@ -219,7 +253,8 @@ def grid_block(run):
         return _rank(DTYPES, dtype), _rank(FORMATS, fmt), _rank(MODES, mode)
 
     chained = any(r.get("chain_bw_fraction") for r in run["results"])
-    rows, every = [], []
+    eigen = _eigen_default(run)
+    rows, every, every_eigen = [], [], []
     for key in sorted(groups, key=order):
         rs = groups[key]
         ran = [r for r in rs if r.get("speedup_onednn")]
@@ -235,10 +270,19 @@ def grid_block(run):
         if chained:
             cbw = [r["chain_bw_fraction"] for r in large if r.get("chain_bw_fraction")]
             row.append(_pct(float(np.median(cbw)) if cbw else None))
+        if eigen:
+            ran_e = [r for r in rs if r.get("speedup_eigen")]
+            every_eigen += [r["speedup_eigen"] for r in ran_e]
+            low_e = min(ran_e, key=lambda r: r["speedup_eigen"]) if ran_e else None
+            row += [_x(_geomean([r["speedup_eigen"] for r in ran_e])),
+                    "%s (%s)" % (_x(low_e["speedup_eigen"]),
+                                 "x".join(map(str, low_e["tensor_shape"]))) if low_e else "n/a"]
         rows.append(row)
     head = ["dtype", "format", "mode", "cases", "TF oneDNN / ours, geomean", "lowest (shape)",
             "%BW large, median", "%BW large, lowest"] + (["%BW(c) large, median"] if chained
                                                          else [])
+    if eigen:
+        head += ["TF Eigen / ours, geomean", "lowest vs Eigen (shape)"]
     out = ["", run_line(run["meta"]), ""]
     out += _table(head, rows, text_cols=3)
     out += ["", "All %d cases TF oneDNN ran: geomean %s. Ratios: TF oneDNN's median ms / ours "
@@ -248,6 +292,8 @@ def grid_block(run):
             "from memory reaches at most about 60%%; above that, the tensors stayed in the "
             "last-level cache between the passes." % (len(every), _x(_geomean(every)),
                                                       "{:,}".format(LARGE_ELEMENTS))]
+    if eigen:
+        out += ["", EIGEN_NOTE % _x(_geomean(every_eigen))]
     return out
 
 
