@@ -239,6 +239,17 @@ def _pct(v):
     return "n/a" if v is None else "%.0f%%" % (100 * v)
 
 
+def _speedups(rs, key):
+    """The `key` speed-ups of the cases that have one, their geomean and the lowest with its
+    shape, as table cells ("n/a" where none ran)."""
+    ran = [r for r in rs if r.get(key)]
+    if not ran:
+        return [], "n/a", "n/a"
+    low = min(ran, key=lambda r: r[key])
+    return ([r[key] for r in ran], _x(_geomean([r[key] for r in ran])),
+            "%s (%s)" % (_x(low[key]), "x".join(map(str, low["tensor_shape"]))))
+
+
 def grid_block(run):
     """The grid-<slug> block's lines: the full grid per dtype, format and mode (training
     first): cases TF oneDNN ran, the geomean and the lowest of TF oneDNN / ours (with its
@@ -257,26 +268,19 @@ def grid_block(run):
     rows, every, every_eigen = [], [], []
     for key in sorted(groups, key=order):
         rs = groups[key]
-        ran = [r for r in rs if r.get("speedup_onednn")]
-        every += [r["speedup_onednn"] for r in ran]
-        low = min(ran, key=lambda r: r["speedup_onednn"]) if ran else None
+        ran, geo, lowest = _speedups(rs, "speedup_onednn")
+        every += ran
         large = [r for r in rs if r.get("elements", 0) >= LARGE_ELEMENTS]
         bw = [r["bw_fraction"] for r in large if r.get("bw_fraction")]
-        row = [key[0], key[1], key[2], str(len(ran)), _x(_geomean([r["speedup_onednn"]
-                                                                 for r in ran])),
-               "%s (%s)" % (_x(low["speedup_onednn"]), "x".join(map(str, low["tensor_shape"])))
-               if low else "n/a",
+        row = [key[0], key[1], key[2], str(len(ran)), geo, lowest,
                _pct(float(np.median(bw)) if bw else None), _pct(min(bw) if bw else None)]
         if chained:
             cbw = [r["chain_bw_fraction"] for r in large if r.get("chain_bw_fraction")]
             row.append(_pct(float(np.median(cbw)) if cbw else None))
         if eigen:
-            ran_e = [r for r in rs if r.get("speedup_eigen")]
-            every_eigen += [r["speedup_eigen"] for r in ran_e]
-            low_e = min(ran_e, key=lambda r: r["speedup_eigen"]) if ran_e else None
-            row += [_x(_geomean([r["speedup_eigen"] for r in ran_e])),
-                    "%s (%s)" % (_x(low_e["speedup_eigen"]),
-                                 "x".join(map(str, low_e["tensor_shape"]))) if low_e else "n/a"]
+            ran_e, geo_e, lowest_e = _speedups(rs, "speedup_eigen")
+            every_eigen += ran_e
+            row += [geo_e, lowest_e]
         rows.append(row)
     head = ["dtype", "format", "mode", "cases", "TF oneDNN / ours, geomean", "lowest (shape)",
             "%BW large, median", "%BW large, lowest"] + (["%BW(c) large, median"] if chained
