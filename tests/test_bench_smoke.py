@@ -559,15 +559,15 @@ def test_model_converted_column_plugs_in(monkeypatch):
 # ---- --model --trace: the sum of BN op times in a profiler trace --------------------------------
 
 def test_model_trace_tiny(tmp_path, capsys):
-    """--trace on the tiny CNN, 2 profiled steps per BN variant: the per-step sums are positive
-    finite numbers, the op types counted are registered TF ops (ours included), each variant
+    """--trace on the tiny CNN, 3 profiled steps per BN variant (two profiler sessions of at
+    most trace.CHUNK_ROUNDS = 2 rounds, merged): the per-step sums are positive finite numbers, the op types counted are registered TF ops (ours included), each variant
     counted its own BN kernels, and the ratios against TF fused are the medians' quotient.
     No timing assertions."""
     from tensorflow.python.framework import op_def_registry
     out = tmp_path / "t.json"
     rc = bench.main(["--model", "tiny", "--size", "16", "--batch", "4", "--reps", "2",
                      "--model-warmup", "1", "--bandwidth", "20", "--no-pair", "--no-progress",
-                     "--trace", "--trace-steps", "2", "--json", str(out)])
+                     "--trace", "--trace-steps", "3", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     for text in ("BN op sum ms [IQR]", "op sum / TF fused", "sum of BN op times (trace)",
@@ -577,7 +577,8 @@ def test_model_trace_tiny(tmp_path, capsys):
     assert data["meta"]["config"]["trace"] is True
     (res,) = data["models"]
     tr = res["trace"]
-    assert tr["steps_per_variant"] == 2 and tr["host_tracer_level"] == 3
+    assert tr["steps_per_variant"] == 3 and tr["host_tracer_level"] == 3
+    assert bench.models._trace.CHUNK_ROUNDS == 2 and tr["profiler_sessions"] == 2
     assert tr["nested_op_events"] == 0  # nothing counted twice
     assert tr["bn_layers"] == ["bn0", "bn1", "bn2"]
     assert {"relu0", "relu1", "relu2"} <= set(tr["act_layers"])
@@ -590,7 +591,7 @@ def test_model_trace_tiny(tmp_path, capsys):
     for k in traced:
         e = v[k]["trace"]
         for what in ("bn_ops", "bn_act_ops", "bn_kernels"):
-            assert len(e[what]["samples_ms"]) == 2
+            assert len(e[what]["samples_ms"]) == 3
             assert all(math.isfinite(x) and x >= 0 for x in e[what]["samples_ms"]), (k, what)
         assert all(x > 0 for x in e["bn_ops"]["samples_ms"]), k
         for a, b in zip(e["bn_ops"]["samples_ms"], e["bn_act_ops"]["samples_ms"]):
@@ -689,6 +690,40 @@ def test_trace_parsing():
         assert tr.BN_KERNEL_TYPE.match(t), t
     for t in ("Mul", "FusedBatchNormish", "BatchNorm"):
         assert not tr.BN_KERNEL_TYPE.match(t), t
+
+
+def test_traced_sums_merges_sessions(monkeypatch):
+    """traced_sums records in sessions of chunk_rounds rounds (rounds numbered on from one
+    session to the next, so the rotation and the rep stats continue) and concatenates each
+    session's per-step sums and wall times in round order."""
+    tr = bench.models._trace
+    calls = []
+
+    def fake_record(steps, keys, reps, progress=None, first_round=0):
+        calls.append((first_round, reps))
+        events = []
+        for r in range(first_round, first_round + reps):
+            t0 = 10_000 * r
+            events.append(("python", tr.STEP_MARKER, t0, 1000, [(1, 3), (2, r)]))
+            events.append(("tf_Compute/1", "m/bn0/FusedBatchNormV3:FbnGrad>FusedBatchNormV3",
+                           t0 + 10, 100 + r, []))
+        wall = {"ours": [float(r) for r in range(first_round, first_round + reps)]}
+        return _xspace(events), wall, {"start_s": 0.5, "steps_s": 1.0, "stop_s": 0.25,
+                                        "xplane_bytes": 7}
+
+    monkeypatch.setattr(tr, "record", fake_record)
+    sessions = []
+    sums, wall, total = tr.traced_sums({}, ["ours"], 5, {"bn0"}, set(), chunk_rounds=2,
+                                       progress=lambda: sessions.append(1))
+    assert calls == [(0, 2), (2, 2), (4, 1)]
+    assert len(sessions) == 3 and total["sessions"] == 3
+    assert total["xplane_bytes"] == 21 and total["stop_s"] == pytest.approx(0.75)
+    assert total["nested_op_events"] == 0
+    assert wall["ours"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert [s["bn_ops"] for s in sums["ours"]] == pytest.approx(
+        [(100 + r) * 1e-6 for r in range(5)])
+    with pytest.raises(ValueError, match="chunk_rounds"):
+        tr.traced_sums({}, ["ours"], 1, set(), set(), chunk_rounds=0)
 
 
 def user_cnn():

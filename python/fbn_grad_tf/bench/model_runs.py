@@ -207,27 +207,37 @@ def _trace_scopes(base, models):
     return {"bn": bn, "act": act}
 
 
+def trace_sessions(config):
+    """Profiler sessions of --trace per model (trace.CHUNK_ROUNDS rounds each)."""
+    return -(-config.trace_steps // _trace.CHUNK_ROUNDS)
+
+
 def run_trace(name, steps, variants, samples, scopes, config, progress):
     """The BN variants' extra steps under the profiler and their BN op sums per step:
     {"variants": {key: stats}, and what was traced and counted}."""
     keys = [v.key for v in variants if v.floor is not None]
-    progress.start("%s: profiler trace of %d steps x %d BN variants (sum of BN op times)"
-                   % (name, config.trace_steps, len(keys)))
+    sessions = trace_sessions(config)
+    label = ("%s: profiler trace of %d steps x %d BN variants (sum of BN op times), session %%d "
+             "of %d" % (name, config.trace_steps, len(keys), sessions))
+    done = [0]
+
+    def session_done():
+        progress.finish(1)
+        done[0] += 1
+        if done[0] < sessions:
+            progress.start(label % (done[0] + 1))
+
+    progress.start(label % 1)
     t0 = time.perf_counter()
-    space, wall, timing = _trace.record(steps, keys, config.trace_steps)
-    progress.finish(1)
-    progress.start("%s: reading the trace (%.1f MB)" % (name, timing["xplane_bytes"] / 1e6))
-    traced_steps, nested = _trace.step_ops(space)
-    space = None
-    sums = _trace.per_variant_sums(traced_steps, keys, scopes["bn"], scopes["act"])
-    progress.finish(1)
+    sums, wall, timing = _trace.traced_sums(steps, keys, config.trace_steps, scopes["bn"],
+                                            scopes["act"], progress=session_done)
     stats = trace_stats(sums, wall, samples, config, {v.key: v.floor for v in variants})
     found = sorted({t for e in stats.values() for t in e["op_types"]})
     return {"variants": stats, "steps_per_variant": config.trace_steps,
             "host_tracer_level": _trace.HOST_TRACER_LEVEL, "ratio_base": TRACE_RATIO_BASE,
             "bn_layers": sorted(scopes["bn"]), "act_layers": sorted(scopes["act"]),
-            "op_types_counted": found, "nested_op_events": nested,
-            "xplane_bytes": timing["xplane_bytes"],
+            "op_types_counted": found, "nested_op_events": timing["nested_op_events"],
+            "profiler_sessions": timing["sessions"], "xplane_bytes": timing["xplane_bytes"],
             "profiler_start_s": round(timing["start_s"], 3),
             "profiler_stop_s": round(timing["stop_s"], 3),
             "wall_s": round(time.perf_counter() - t0, 2)}
@@ -330,7 +340,7 @@ def run_models(config=None, stream=None):
             print("measuring memory bandwidth ...", file=stream or sys.stderr, flush=True)
         bw_meas = measure_bandwidth(threads, mib=config.bandwidth_mib)
         bw = bw_meas["bandwidth"]
-    units = (len(config.models) * (1 + len(variants) + config.reps + (2 if config.trace else 0))
+    units = (len(config.models) * (1 + len(variants) + config.reps + (trace_sessions(config) if config.trace else 0))
              + (2 if config.pair else 0))
     progress = Progress("model", [1] * units, stream=stream, enabled=config.progress,
                         unit="steps")

@@ -32,7 +32,9 @@ unfused ops, the moving-average updates), the BN kernels alone (by op type), and
 the ops of the activation layers after a BN and of the layers convert absorbs). Reported
 beside step - floor as "sum of BN op times (trace)": median [IQR] and the ratio to TF fused
 with a bootstrap interval. Ops that run at once overlap, so a sum of op times is not wall
-time; the profiler's overhead (profiled / unprofiled step) is printed. Details: trace.py.
+time; the profiler's overhead (profiled / unprofiled step) is printed. The steps are traced
+in profiler sessions of a few rounds, each reduced to its sums before the next, as a session
+holds every op event in memory. Details: trace.py.
 
 The mode's modules: model_variants (the model and its variants), model_runs (ModelConfig and
 the timed runs), model_stats (quartiles and bootstrap intervals), model_report (the tables);
