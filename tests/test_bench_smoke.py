@@ -559,7 +559,7 @@ def test_model_converted_column_plugs_in(monkeypatch):
 # ---- --model --trace: the sum of BN op times in a profiler trace --------------------------------
 
 def test_model_trace_tiny(tmp_path, capsys):
-    """--trace on the tiny CNN, 3 profiled steps per BN variant (two profiler sessions of at
+    """--trace on the tiny CNN, 3 profiled steps per BN variant (two profiler windows of at
     most trace.CHUNK_ROUNDS = 2 rounds, merged): the per-step sums are positive finite numbers, the op types counted are registered TF ops (ours included), each variant
     counted its own BN kernels, and the ratios against TF fused are the medians' quotient.
     No timing assertions."""
@@ -578,7 +578,7 @@ def test_model_trace_tiny(tmp_path, capsys):
     (res,) = data["models"]
     tr = res["trace"]
     assert tr["steps_per_variant"] == 3 and tr["host_tracer_level"] == 3
-    assert bench.models._trace.CHUNK_ROUNDS == 2 and tr["profiler_sessions"] == 2
+    assert bench.models._trace.CHUNK_ROUNDS == 2 and tr["profiler_windows"] == 2
     assert tr["nested_op_events"] == 0  # nothing counted twice
     assert tr["bn_layers"] == ["bn0", "bn1", "bn2"]
     assert {"relu0", "relu1", "relu2"} <= set(tr["act_layers"])
@@ -692,10 +692,10 @@ def test_trace_parsing():
         assert not tr.BN_KERNEL_TYPE.match(t), t
 
 
-def test_traced_sums_merges_sessions(monkeypatch):
-    """traced_sums records in sessions of chunk_rounds rounds (rounds numbered on from one
-    session to the next, so the rotation and the rep stats continue) and concatenates each
-    session's per-step sums and wall times in round order."""
+def test_traced_sums_merges_windows(monkeypatch):
+    """traced_sums records in windows of chunk_rounds rounds (rounds numbered on from one
+    window to the next, so the rotation and the rep stats continue) and concatenates each
+    window's per-step sums and wall times in round order."""
     tr = bench.models._trace
     calls = []
 
@@ -712,11 +712,11 @@ def test_traced_sums_merges_sessions(monkeypatch):
                                         "xplane_bytes": 7}
 
     monkeypatch.setattr(tr, "record", fake_record)
-    sessions = []
+    windows = []
     sums, wall, total = tr.traced_sums({}, ["ours"], 5, {"bn0"}, set(), chunk_rounds=2,
-                                       progress=lambda: sessions.append(1))
+                                       progress=lambda: windows.append(1))
     assert calls == [(0, 2), (2, 2), (4, 1)]
-    assert len(sessions) == 3 and total["sessions"] == 3
+    assert len(windows) == 3 and total["windows"] == 3
     assert total["xplane_bytes"] == 21 and total["stop_s"] == pytest.approx(0.75)
     assert total["nested_op_events"] == 0
     assert wall["ours"] == [0.0, 1.0, 2.0, 3.0, 4.0]

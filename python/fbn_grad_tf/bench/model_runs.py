@@ -207,8 +207,8 @@ def _trace_scopes(base, models):
     return {"bn": bn, "act": act}
 
 
-def trace_sessions(config):
-    """Profiler sessions of --trace per model (trace.CHUNK_ROUNDS rounds each)."""
+def trace_windows(config):
+    """Profiler windows of --trace per model (trace.CHUNK_ROUNDS rounds each)."""
     return -(-config.trace_steps // _trace.CHUNK_ROUNDS)
 
 
@@ -216,28 +216,28 @@ def run_trace(name, steps, variants, samples, scopes, config, progress):
     """The BN variants' extra steps under the profiler and their BN op sums per step:
     {"variants": {key: stats}, and what was traced and counted}."""
     keys = [v.key for v in variants if v.floor is not None]
-    sessions = trace_sessions(config)
-    label = ("%s: profiler trace of %d steps x %d BN variants (sum of BN op times), session %%d "
-             "of %d" % (name, config.trace_steps, len(keys), sessions))
+    windows = trace_windows(config)
+    label = ("%s: profiler trace of %d steps x %d BN variants (sum of BN op times), window %%d "
+             "of %d" % (name, config.trace_steps, len(keys), windows))
     done = [0]
 
-    def session_done():
+    def window_done():
         progress.finish(1)
         done[0] += 1
-        if done[0] < sessions:
+        if done[0] < windows:
             progress.start(label % (done[0] + 1))
 
     progress.start(label % 1)
     t0 = time.perf_counter()
     sums, wall, timing = _trace.traced_sums(steps, keys, config.trace_steps, scopes["bn"],
-                                            scopes["act"], progress=session_done)
+                                            scopes["act"], progress=window_done)
     stats = trace_stats(sums, wall, samples, config, {v.key: v.floor for v in variants})
     found = sorted({t for e in stats.values() for t in e["op_types"]})
     return {"variants": stats, "steps_per_variant": config.trace_steps,
             "host_tracer_level": _trace.HOST_TRACER_LEVEL, "ratio_base": TRACE_RATIO_BASE,
             "bn_layers": sorted(scopes["bn"]), "act_layers": sorted(scopes["act"]),
             "op_types_counted": found, "nested_op_events": timing["nested_op_events"],
-            "profiler_sessions": timing["sessions"], "xplane_bytes": timing["xplane_bytes"],
+            "profiler_windows": timing["windows"], "xplane_bytes": timing["xplane_bytes"],
             "profiler_start_s": round(timing["start_s"], 3),
             "profiler_stop_s": round(timing["stop_s"], 3),
             "wall_s": round(time.perf_counter() - t0, 2)}
@@ -340,7 +340,7 @@ def run_models(config=None, stream=None):
             print("measuring memory bandwidth ...", file=stream or sys.stderr, flush=True)
         bw_meas = measure_bandwidth(threads, mib=config.bandwidth_mib)
         bw = bw_meas["bandwidth"]
-    units = (len(config.models) * (1 + len(variants) + config.reps + (trace_sessions(config) if config.trace else 0))
+    units = (len(config.models) * (1 + len(variants) + config.reps + (trace_windows(config) if config.trace else 0))
              + (2 if config.pair else 0))
     progress = Progress("model", [1] * units, stream=stream, enabled=config.progress,
                         unit="steps")

@@ -33,7 +33,7 @@ the ops of the activation layers after a BN and of the layers convert absorbs). 
 beside step - floor as "sum of BN op times (trace)": median [IQR] and the ratio to TF fused
 with a bootstrap interval. Ops that run at once overlap, so a sum of op times is not wall
 time; the profiler's overhead (profiled / unprofiled step) is printed. The steps are traced
-in profiler sessions of a few rounds, each reduced to its sums before the next, as a session
+in profiler windows of a few rounds, each reduced to its sums before the next, as a window
 holds every op event in memory. Details: trace.py.
 
 The mode's modules: model_variants (the model and its variants), model_runs (ModelConfig and

@@ -29,14 +29,14 @@ control flow) are left out so nothing is counted twice. The profiler records eve
 host_tracer_level 3 (at level 2 TF traces only the ops its cost model calls expensive, so
 small ops would come and go).
 
-The steps are traced in several profiler sessions of at most CHUNK_ROUNDS rounds each, and
-each session's XSpace is reduced to per-step sums before the next one starts: a session holds
-every op event of its steps in memory until it stops, far more than the trace it writes: a
-session of 5 rounds of ResNet50 float32 training steps (4 variants, batch 16, 96x96, TF 2.21
+The steps are traced in several profiler windows (one profiler start to stop each) of at
+most CHUNK_ROUNDS rounds, and each window's XSpace is reduced to per-step sums before the
+next one starts: a window holds every op event of its steps in memory until it stops, far
+more than the trace it writes: a window of 5 rounds of ResNet50 float32 training steps (4 variants, batch 16, 96x96, TF 2.21
 on its Eigen kernels, 2-core AMD EPYC Zen 2) grew the process by about 5 GB for a 33 MB
-.xplane.pb, and gave it back when it stopped; 40 rounds in one session ran a 24 GiB machine
-out of memory. At 2 rounds per session the peak stayed 2.4 GB above the untraced steps'
-(ResNet50 there, 3 sessions: 4.5 GB in all), and stopping a session cost about 0.15 s per
+.xplane.pb, and gave it back when it stopped; 40 rounds in one window ran a 24 GiB machine
+out of memory. At 2 rounds per window the peak stayed 2.4 GB above the untraced steps'
+(ResNet50 there, 3 windows: 4.5 GB in all), and stopping a window cost about 0.15 s per
 traced step.
 """
 import bisect
@@ -63,7 +63,7 @@ CONTAINER_TYPES = frozenset((
     "If", "StatelessIf", "Case", "StatelessCase"))
 #: host_tracer_level of the trace: 3 traces inexpensive ops too (see the module docstring).
 HOST_TRACER_LEVEL = 3
-#: Rounds (one step of every variant) per profiler session (see the module docstring).
+#: Rounds (one step of every variant) per profiler window (see the module docstring).
 CHUNK_ROUNDS = 2
 #: A scope component with Keras' / TF's uniquifying suffix ("bn0_1" for layer "bn0").
 _SUFFIX = re.compile(r"_\d+$")
@@ -85,7 +85,7 @@ def xplane_pb2():
 
 def record(steps, keys, reps, progress=None, first_round=0):
     """Runs `reps` rounds of one step of every key of `keys` (order rotated per round, as the
-    timed repetitions; rounds numbered from first_round) under one TF profiler session, each
+    timed repetitions; rounds numbered from first_round) under one TF profiler window, each
     step inside a STEP_MARKER TraceMe. Returns (XSpace, {key: [wall ms of each traced step]},
     {"start_s", "steps_s", "stop_s", "xplane_bytes"})."""
     import tensorflow as tf
@@ -216,16 +216,16 @@ def per_variant_sums(steps, keys, bn_scopes, act_scopes):
 
 def traced_sums(steps, keys, reps, bn_scopes, act_scopes, chunk_rounds=CHUNK_ROUNDS,
                 progress=None):
-    """`reps` rounds of record() in sessions of at most chunk_rounds rounds, each session's
+    """`reps` rounds of record() in windows of at most chunk_rounds rounds, each window's
     trace reduced by step_ops and per_variant_sums before the next starts. Returns
     ({key: [step_sums per traced step, in round order]}, {key: [wall ms per traced step]},
-    {"sessions", "start_s", "steps_s", "stop_s", "xplane_bytes" (summed over the sessions),
-    "nested_op_events"}). progress() is called after each session."""
+    {"windows", "start_s", "steps_s", "stop_s", "xplane_bytes" (summed over the windows),
+    "nested_op_events"}). progress() is called after each window."""
     if chunk_rounds < 1:
         raise ValueError("chunk_rounds must be >= 1, got %r" % (chunk_rounds,))
     sums = {k: [] for k in keys}
     wall = {k: [] for k in keys}
-    total = {"sessions": 0, "start_s": 0.0, "steps_s": 0.0, "stop_s": 0.0, "xplane_bytes": 0,
+    total = {"windows": 0, "start_s": 0.0, "steps_s": 0.0, "stop_s": 0.0, "xplane_bytes": 0,
              "nested_op_events": 0}
     for first in range(0, reps, chunk_rounds):
         space, chunk_wall, timing = record(steps, keys, min(chunk_rounds, reps - first),
@@ -236,7 +236,7 @@ def traced_sums(steps, keys, reps, bn_scopes, act_scopes, chunk_rounds=CHUNK_ROU
             sums[k].extend(v)
         for k, v in chunk_wall.items():
             wall[k].extend(v)
-        total["sessions"] += 1
+        total["windows"] += 1
         total["nested_op_events"] += nested
         for name in ("start_s", "steps_s", "stop_s", "xplane_bytes"):
             total[name] += timing[name]
