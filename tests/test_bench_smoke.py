@@ -560,7 +560,8 @@ def test_model_converted_column_plugs_in(monkeypatch):
 
 def test_model_trace_tiny(tmp_path, capsys):
     """--trace on the tiny CNN, 3 profiled steps per BN variant (two profiler windows of at
-    most trace.CHUNK_ROUNDS = 2 rounds, merged): the per-step sums are positive finite numbers, the op types counted are registered TF ops (ours included), each variant
+    most trace.CHUNK_ROUNDS = 2 rounds, merged): the per-step sums are positive finite
+    numbers, the op types counted are registered TF ops (ours included), each variant
     counted its own BN kernels, and the ratios against TF fused are the medians' quotient.
     No timing assertions."""
     from tensorflow.python.framework import op_def_registry
@@ -714,9 +715,9 @@ def test_traced_sums_merges_windows(monkeypatch):
     monkeypatch.setattr(tr, "record", fake_record)
     windows = []
     sums, wall, total = tr.traced_sums({}, ["ours"], 5, {"bn0"}, set(), chunk_rounds=2,
-                                       progress=lambda: windows.append(1))
+                                       progress=windows.append)
     assert calls == [(0, 2), (2, 2), (4, 1)]
-    assert len(windows) == 3 and total["windows"] == 3
+    assert windows == [1, 2, 3] and total["windows"] == 3 == tr.window_count(5, 2)
     assert total["xplane_bytes"] == 21 and total["stop_s"] == pytest.approx(0.75)
     assert total["nested_op_events"] == 0
     assert wall["ours"] == [0.0, 1.0, 2.0, 3.0, 4.0]

@@ -207,25 +207,18 @@ def _trace_scopes(base, models):
     return {"bn": bn, "act": act}
 
 
-def trace_windows(config):
-    """Profiler windows of --trace per model (trace.CHUNK_ROUNDS rounds each)."""
-    return -(-config.trace_steps // _trace.CHUNK_ROUNDS)
-
-
 def run_trace(name, steps, variants, samples, scopes, config, progress):
     """The BN variants' extra steps under the profiler and their BN op sums per step:
     {"variants": {key: stats}, and what was traced and counted}."""
     keys = [v.key for v in variants if v.floor is not None]
-    windows = trace_windows(config)
+    windows = _trace.window_count(config.trace_steps)
     label = ("%s: profiler trace of %d steps x %d BN variants (sum of BN op times), window %%d "
              "of %d" % (name, config.trace_steps, len(keys), windows))
-    done = [0]
 
-    def window_done():
+    def window_done(n):
         progress.finish(1)
-        done[0] += 1
-        if done[0] < windows:
-            progress.start(label % (done[0] + 1))
+        if n < windows:
+            progress.start(label % (n + 1))
 
     progress.start(label % 1)
     t0 = time.perf_counter()
@@ -340,7 +333,8 @@ def run_models(config=None, stream=None):
             print("measuring memory bandwidth ...", file=stream or sys.stderr, flush=True)
         bw_meas = measure_bandwidth(threads, mib=config.bandwidth_mib)
         bw = bw_meas["bandwidth"]
-    units = (len(config.models) * (1 + len(variants) + config.reps + (trace_windows(config) if config.trace else 0))
+    trace_units = _trace.window_count(config.trace_steps) if config.trace else 0
+    units = (len(config.models) * (1 + len(variants) + config.reps + trace_units)
              + (2 if config.pair else 0))
     progress = Progress("model", [1] * units, stream=stream, enabled=config.progress,
                         unit="steps")

@@ -32,12 +32,12 @@ small ops would come and go).
 The steps are traced in several profiler windows (one profiler start to stop each) of at
 most CHUNK_ROUNDS rounds, and each window's XSpace is reduced to per-step sums before the
 next one starts: a window holds every op event of its steps in memory until it stops, far
-more than the trace it writes: a window of 5 rounds of ResNet50 float32 training steps (4 variants, batch 16, 96x96, TF 2.21
-on its Eigen kernels, 2-core AMD EPYC Zen 2) grew the process by about 5 GB for a 33 MB
-.xplane.pb, and gave it back when it stopped; 40 rounds in one window ran a 24 GiB machine
-out of memory. At 2 rounds per window the peak stayed 2.4 GB above the untraced steps'
-(ResNet50 there, 3 windows: 4.5 GB in all), and stopping a window cost about 0.15 s per
-traced step.
+more than the trace it writes: a window of 5 rounds of ResNet50 float32 training steps (4
+variants, batch 16, 96x96, TF 2.21 on its Eigen kernels, 2-core AMD EPYC Zen 2) grew the
+process by about 5 GB for a 33 MB .xplane.pb, and gave it back when it stopped; 40 rounds
+in one window ran a 24 GiB machine out of memory. At 2 rounds per window the peak stayed
+2.4 GB above the untraced steps' (ResNet50 there, 3 windows: 4.5 GB in all), and stopping a
+window cost about 0.15 s per traced step.
 """
 import bisect
 import glob
@@ -214,13 +214,18 @@ def per_variant_sums(steps, keys, bn_scopes, act_scopes):
     return out
 
 
+def window_count(reps, chunk_rounds=CHUNK_ROUNDS):
+    """Profiler windows that traced_sums uses for `reps` rounds."""
+    return -(-reps // chunk_rounds)
+
+
 def traced_sums(steps, keys, reps, bn_scopes, act_scopes, chunk_rounds=CHUNK_ROUNDS,
                 progress=None):
     """`reps` rounds of record() in windows of at most chunk_rounds rounds, each window's
     trace reduced by step_ops and per_variant_sums before the next starts. Returns
     ({key: [step_sums per traced step, in round order]}, {key: [wall ms per traced step]},
     {"windows", "start_s", "steps_s", "stop_s", "xplane_bytes" (summed over the windows),
-    "nested_op_events"}). progress() is called after each window."""
+    "nested_op_events"}). progress(n) is called after the n-th window (from 1)."""
     if chunk_rounds < 1:
         raise ValueError("chunk_rounds must be >= 1, got %r" % (chunk_rounds,))
     sums = {k: [] for k in keys}
@@ -241,5 +246,5 @@ def traced_sums(steps, keys, reps, bn_scopes, act_scopes, chunk_rounds=CHUNK_ROU
         for name in ("start_s", "steps_s", "stop_s", "xplane_bytes"):
             total[name] += timing[name]
         if progress is not None:
-            progress()
+            progress(total["windows"])
     return sums, wall, total
