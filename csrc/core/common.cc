@@ -15,6 +15,9 @@
 
 #include <pthread.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "common.h"
 #include "cpu/kernels.h"
@@ -539,6 +542,64 @@ std::atomic<int64_t> g_streamed_outputs{0};
 void CountStreamedOutput() { g_streamed_outputs.fetch_add(1, std::memory_order_relaxed); }
 
 int64_t StreamedOutputCount() { return g_streamed_outputs.load(std::memory_order_relaxed); }
+
+bool HugePageAdvice() {
+  static const bool chosen = [] {
+    const char* env = std::getenv("FBN_GRAD_TF_HUGEPAGES");
+    if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return true;
+    if (std::strcmp(env, "on") == 0 || std::strcmp(env, "1") == 0) return true;
+    if (std::strcmp(env, "off") == 0 || std::strcmp(env, "0") == 0) return false;
+    std::fprintf(stderr,
+                 "fbn_grad_tf: ignoring FBN_GRAD_TF_HUGEPAGES=%s (expected on, off or auto); "
+                 "using on\n",
+                 env);
+    return true;
+  }();
+  return chosen;
+}
+
+namespace {
+std::atomic<int64_t> g_hugepage_advised{0};
+
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+// The transparent huge page size (2 MiB on x86-64; larger on some arm64 kernels).
+uintptr_t HugePageBytes() {
+  static const uintptr_t bytes = [] {
+    uintptr_t b = uintptr_t{2} << 20;
+    if (FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size", "r")) {
+      unsigned long long v = 0;
+      // A power of two of at least a page; anything else keeps the x86-64 size.
+      if (std::fscanf(f, "%llu", &v) == 1 && v >= 4096 && (v & (v - 1)) == 0) {
+        b = static_cast<uintptr_t>(v);
+      }
+      std::fclose(f);
+    }
+    return b;
+  }();
+  return bytes;
+}
+#endif
+}  // namespace
+
+void AdviseHugePages(void* data, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (data == nullptr || bytes < kHugePageAdviceMinBytes || !HugePageAdvice()) return;
+  const uintptr_t huge = HugePageBytes();
+  const uintptr_t start = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t begin = (start + huge - 1) & ~(huge - 1);
+  const uintptr_t end = (start + static_cast<uintptr_t>(bytes)) & ~(huge - 1);
+  if (end <= begin) return;
+  // Advice only: a kernel without THP, or one that refuses, leaves the buffer as it was.
+  if (madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0) {
+    g_hugepage_advised.fetch_add(1, std::memory_order_relaxed);
+  }
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
+int64_t HugePageAdvisedCount() { return g_hugepage_advised.load(std::memory_order_relaxed); }
 
 template <typename T>
 cpu::KernelSet<T> cpu::KernelsFor(CpuIsa isa) {

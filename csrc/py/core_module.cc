@@ -531,6 +531,9 @@ PYBIND11_MODULE(_core, m) {
   m.def("software_prefetch", [] { return fbn::SoftwarePrefetch(); },
         "Whether the CPU backward prefetches its inputs in software (off on AMD CPUs; "
         "FBN_GRAD_TF_PREFETCH=on|off|auto)");
+  m.def("hugepage_advice", [] { return fbn::HugePageAdvice(); },
+        "Whether the TF ops advise their large fresh CPU outputs for transparent huge pages "
+        "(FBN_GRAD_TF_HUGEPAGES=on|off|auto, auto = on)");
   m.def("stream_min_bytes",
         [](int itemsize) {
           if (itemsize != 2 && itemsize != 4)

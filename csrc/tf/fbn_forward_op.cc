@@ -209,6 +209,7 @@ class FbnForwardCpuOp : public FbnForwardOpBase {
     if (!Prepare<T>(ctx, fbn::SavedStat::kVariance, /*act_mask=*/true, &params, &args)) {
       return;
     }
+    AdviseFreshOutput(ctx, ctx->mutable_output(0));
     const auto runner = IntraOpThreads(ctx);
     fbn::BnForwardCpu(params, args, runner, fbn::DefaultCpuIsa());
   }

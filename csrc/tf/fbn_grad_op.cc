@@ -263,6 +263,8 @@ class FbnGradCpuOp : public FbnGradOpBase {
   void Compute(OpKernelContext* ctx) override {
     Prepared p;
     if (!Prepare(ctx, fbn::SavedStat::kVariance, &p)) return;
+    AdviseFreshOutput(ctx, p.dx);
+    AdviseFreshOutput(ctx, p.side_input_backprop);
     const auto runner = IntraOpThreads(ctx);
     auto args = Args<T>(ctx, &p);
     // GradEx: reserve_space_3 from our CPU forward may carry its Relu/Relu6 mask
@@ -443,6 +445,7 @@ class FbnGradApplyOp : public SplitOpBase {
                     "replicas), got ", n));
     Tensor* dx = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ctx->input(1).shape(), &dx));
+    AdviseFreshOutput(ctx, dx);
     fbn::BnGradArgs<CT> a;
     a.dy = CoreData<T>(ctx->input(0));
     a.x = CoreData<T>(ctx->input(1));

@@ -216,6 +216,19 @@ inline IntraOpPoolRunner IntraOpThreads(tensorflow::OpKernelContext* ctx) {
   return IntraOpPoolRunner(workers == nullptr ? nullptr : workers->workers);
 }
 
+// A CPU kernel's large output before the kernel writes it: advised for huge pages
+// (fbn::AdviseHugePages says why) when TF has just allocated it, left alone when it took over
+// an input's buffer (forward_input_or_allocate_output), whose pages exist already.
+inline void AdviseFreshOutput(tensorflow::OpKernelContext* ctx, tensorflow::Tensor* out) {
+  if (out == nullptr) return;
+  const auto data = out->tensor_data();
+  if (static_cast<int64_t>(data.size()) < fbn::kHugePageAdviceMinBytes) return;
+  for (int i = 0; i < ctx->num_inputs(); ++i) {
+    if (ctx->input(i).tensor_data().data() == data.data()) return;
+  }
+  fbn::AdviseHugePages(const_cast<char*>(data.data()), static_cast<int64_t>(data.size()));
+}
+
 inline std::vector<int64_t> Dims(const tensorflow::Tensor& t) {
   std::vector<int64_t> d(t.dims());
   for (int i = 0; i < t.dims(); ++i) d[i] = t.dim_size(i);

@@ -338,4 +338,11 @@ def _machine_meta():
             stream["float32"] / 2**20, stream["16-bit"] / 2**20)
     except Exception as e:  # pragma: no cover
         meta["fbn_grad_tf_isa"] += ", streaming stores: unknown (%s)" % e
+    try:  # ... and whether fresh outputs are advised for huge pages (common.h)
+        from .. import core
+        meta["fbn_grad_tf_hugepages"] = bool(core.hugepage_advice())
+        meta["fbn_grad_tf_isa"] += ", huge pages %s" % (
+            "on" if meta["fbn_grad_tf_hugepages"] else "off")
+    except Exception as e:  # pragma: no cover
+        meta["fbn_grad_tf_isa"] += ", huge pages: unknown (%s)" % e
     return meta
