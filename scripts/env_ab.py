@@ -6,8 +6,8 @@ separate processes: this script starts one child per side and round, alternating
 ... (the machine's drift falls on both sides alike). Each child times our backward
 (fused_batch_norm_grad, training, inside a tf.function, called eagerly with inputs held by
 Python: x_backprop is a fresh output every call), or with --op forward our forward
-(fused_batch_norm, training; y fresh) on every case, interleaved, and reports the
-median per case. Per case the script prints both sides' medians over rounds and the median of
+(fused_batch_norm, training; y fresh) on every case, interleaved, and reports per case the
+median time and the median of the process's minor page faults per call (getrusage). Per case the script prints both sides' medians over rounds and the median of
 the per-round ratios B / A with a bootstrap 95% interval (scripts/model_ab.py's estimator).
 
     .venv/bin/python scripts/env_ab.py VAR [--values off,on] [--rounds 5] [--reps 15]
@@ -22,6 +22,7 @@ buffers to the OS at every free). Calibrate with both values the same (--values 
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -62,13 +63,17 @@ def child(args):
                 step(dy, x)  # trace and warm up
                 cases.append(("%s %s %s" % (text, fmt, dtype), step, dy, x))
     times = {name: [] for name, *_ in cases}
+    faults = {name: [] for name, *_ in cases}
     for _ in range(args.reps):
         for name, step, dy, x in cases:
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             out = step(dy, x)
             times[name].append((time.perf_counter() - t0) * 1e3)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
             del out
-    print(json.dumps({name: float(np.median(v)) for name, v in times.items()}))
+    print(json.dumps({name: [float(np.median(times[name])), float(np.median(faults[name]))]
+                      for name in times}))
 
 
 def main():
@@ -110,12 +115,16 @@ def main():
     print("%s: A=%s, B=%s; our %s, %d rounds x %d calls per case; %s" % (
         args.var, a, b, args.op, args.rounds, args.reps,
         " ".join(args.env) or "no other variables"))
-    print("%-28s %9s %9s  %s" % ("case", "A ms", "B ms", "B / A, median [95% interval]"))
+    print("%-28s %9s %9s  %-30s %s" % ("case", "A ms", "B ms", "B / A, median [95% interval]",
+                                         "page faults per call, A / B"))
     for name in runs[a][0]:
-        ta = [run[name] for run in runs[a]]
-        tb = [run[name] for run in runs[b]]
-        print("%-28s %9.2f %9.2f  %s" % (name, np.median(ta), np.median(tb),
-                                          interval([y / x for x, y in zip(ta, tb)])))
+        ta = [run[name][0] for run in runs[a]]
+        tb = [run[name][0] for run in runs[b]]
+        fa = np.median([run[name][1] for run in runs[a]])
+        fb = np.median([run[name][1] for run in runs[b]])
+        print("%-28s %9.2f %9.2f  %-30s %.0f / %.0f" % (
+            name, np.median(ta), np.median(tb), interval([y / x for x, y in zip(ta, tb)]),
+            fa, fb))
 
 
 if __name__ == "__main__":

@@ -558,10 +558,8 @@ bool HugePageAdvice() {
   return chosen;
 }
 
-namespace {
-std::atomic<int64_t> g_hugepage_advised{0};
-
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
+namespace {
 // The transparent huge page size (2 MiB on x86-64; larger on some arm64 kernels).
 uintptr_t HugePageBytes() {
   static const uintptr_t bytes = [] {
@@ -578,8 +576,8 @@ uintptr_t HugePageBytes() {
   }();
   return bytes;
 }
-#endif
 }  // namespace
+#endif
 
 void AdviseHugePages(void* data, int64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
@@ -589,17 +587,14 @@ void AdviseHugePages(void* data, int64_t bytes) {
   const uintptr_t begin = (start + huge - 1) & ~(huge - 1);
   const uintptr_t end = (start + static_cast<uintptr_t>(bytes)) & ~(huge - 1);
   if (end <= begin) return;
-  // Advice only: a kernel without THP, or one that refuses, leaves the buffer as it was.
-  if (madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0) {
-    g_hugepage_advised.fetch_add(1, std::memory_order_relaxed);
-  }
+  // Advice only: a kernel without THP, or one that refuses, leaves the buffer as it was
+  // (tests/test_hugepages.py reads the result in /proc/self/smaps).
+  (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 #else
   (void)data;
   (void)bytes;
 #endif
 }
-
-int64_t HugePageAdvisedCount() { return g_hugepage_advised.load(std::memory_order_relaxed); }
 
 template <typename T>
 cpu::KernelSet<T> cpu::KernelsFor(CpuIsa isa) {

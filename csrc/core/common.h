@@ -244,8 +244,6 @@ int64_t StreamedOutputCount();
 constexpr int64_t kHugePageAdviceMinBytes = int64_t{4} << 20;
 bool HugePageAdvice();
 void AdviseHugePages(void* data, int64_t bytes);
-// How many buffers AdviseHugePages has advised in this library (a statistic for tests).
-int64_t HugePageAdvisedCount();
 
 // Scalar conversions used everywhere on the CPU (round to nearest even, NaN kept quiet).
 float HalfToFloat(half_t h);
