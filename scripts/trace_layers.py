@@ -17,7 +17,9 @@ activations left as TF ops: the "ours" variant of bench --model).
 Builds MODEL (batch 16, 96x96, synthetic data, dropout off), its TF-fused variant (every BN
 on TF's FusedBatchNormV3 and gradient) and its converted variant (fbn_grad_tf.keras.convert:
 fused activation and residual Add), warms both up, traces STEPS interleaved training steps
-of each under the TF profiler (fbn_grad_tf.bench.trace) and prints per BN layer:
+of each under the TF profiler (fbn_grad_tf.bench.trace; in windows of trace.CHUNK_ROUNDS
+rounds, each reduced before the next, as bench --model --trace does) and prints per BN
+layer:
 * TF bwd+act: TF's batch-norm gradient op + the gradient op of the activation after it (for
   BN+Add+ReLU, the ReLU after the Add is put on the Add's last BN input), ms per step;
 * conv: our fused backward op (VARIANT ours: our backward op + the activation's gradient
@@ -62,18 +64,27 @@ def build(name, policy, variant="conv"):
         "conv": M._build_ours if variant == "ours" else M._build_converted})
 
 
-def traced_steps(models, nsteps):
+def traced_windows(models, nsteps, chunk_rounds=T.CHUNK_ROUNDS):
     """One training step per model on a synthetic batch, 3 untimed steps of each, then
-    `nsteps` interleaved steps of each under the TF profiler: (XSpace, {key: [wall ms]})."""
+    `nsteps` interleaved steps of each under the TF profiler, in windows of at most
+    chunk_rounds rounds (the profiler holds a window's events in memory until it stops; one
+    window of many ResNet50 steps on TF's Eigen kernels outgrows 24 GiB). Yields (XSpace,
+    {key: [wall ms]}) per window, rounds numbered on across windows."""
     x = tf.random.stateless_uniform([BATCH, SIZE, SIZE, 3], [0, 1], 0.0, 1.0)
     y = tf.random.stateless_uniform([BATCH], [0, 2], 0, CLASSES, dtype=tf.int32)
     steps = {k: M._train_step(m, x, y) for k, m in models.items()}
     for k in steps:
         for _ in range(3):
             steps[k]()
-    print("tracing %d steps of each variant..." % nsteps, file=sys.stderr)
-    space, wall, _ = T.record(steps, list(steps), nsteps)
-    return space, wall
+    windows = T.window_count(nsteps, chunk_rounds)
+    for n, first in enumerate(range(0, nsteps, chunk_rounds), 1):
+        print("tracing steps %d-%d of %d of each variant (window %d/%d)..."
+              % (first + 1, min(first + chunk_rounds, nsteps), nsteps, n, windows),
+              file=sys.stderr)
+        space, wall, _ = T.record(steps, list(steps), min(chunk_rounds, nsteps - first),
+                                  first_round=first)
+        yield space, wall
+        space = wall = None  # not held while the next window records
 
 
 def owners(base):
@@ -144,10 +155,10 @@ def main(argv):
           "converted, activations fused"), file=sys.stderr)
     shapes = {l.name: tuple(l.output.shape[1:]) for l in base.layers if M._is_bn(l)}
     act_owner = owners(base)
-    space, wall = traced_steps(models, nsteps)
-    print("wall ms per step:", {k: round(statistics.median(v), 1) for k, v in wall.items()})
-    events = op_events(space)
-    traced, _ = T.step_ops(space)
+    times = collections.defaultdict(lambda: collections.defaultdict(float))
+    overlaps = collections.defaultdict(list)
+    besides = collections.defaultdict(collections.Counter)
+    wall = collections.defaultdict(list)
 
     def owner(op_name):
         for p in op_name.split("/")[:-1]:
@@ -158,26 +169,32 @@ def main(argv):
                     return act_owner[q], "act"
         return None, None
 
-    times = collections.defaultdict(lambda: collections.defaultdict(float))
-    overlaps = collections.defaultdict(list)
-    besides = collections.defaultdict(collections.Counter)
-    for st in traced:
-        v = st["variant"]
-        for s, e, tid, op_name, typ in events:
-            if not st["start_ps"] <= s < st["end_ps"]:
-                continue
-            layer, where = owner(op_name)
-            if layer is None:
-                continue
-            grad = "BatchNormGrad" in typ or typ.endswith("Grad")
-            if where == "bn" and not grad and not T.BN_KERNEL_TYPE.match(typ):
-                continue  # moving-average updates
-            kind = ("bwd" if grad else "fwd") if where == "bn" else (
-                "act_bwd" if grad else "act_fwd")
-            times[(v, layer)][kind] += (e - s) / 1e9 / nsteps
-            if kind == "bwd":
-                overlaps[(v, layer)].append(
-                    overlap_share(events, s, e, tid, besides[(v, layer)]))
+    # Each window's trace is reduced into the sums before the next window is recorded.
+    for space, window_wall in traced_windows(models, nsteps):
+        for k, v in window_wall.items():
+            wall[k].extend(v)
+        events = op_events(space)
+        traced, _ = T.step_ops(space)
+        space = None
+        for st in traced:
+            v = st["variant"]
+            for s, e, tid, op_name, typ in events:
+                if not st["start_ps"] <= s < st["end_ps"]:
+                    continue
+                layer, where = owner(op_name)
+                if layer is None:
+                    continue
+                grad = "BatchNormGrad" in typ or typ.endswith("Grad")
+                if where == "bn" and not grad and not T.BN_KERNEL_TYPE.match(typ):
+                    continue  # moving-average updates
+                kind = ("bwd" if grad else "fwd") if where == "bn" else (
+                    "act_bwd" if grad else "act_fwd")
+                times[(v, layer)][kind] += (e - s) / 1e9 / nsteps
+                if kind == "bwd":
+                    overlaps[(v, layer)].append(
+                        overlap_share(events, s, e, tid, besides[(v, layer)]))
+        events = traced = None
+    print("wall ms per step:", {k: round(statistics.median(v), 1) for k, v in wall.items()})
     fmt = "%-26s %-12s %-12s %-7s %-6s %-10s %-6s %-11s %s"
     print(fmt % ("layer", "shape", "TF bwd+act", "conv", "c/T", "overlap", "GB/s", "fwd TF/conv",
                  "beside TF / conv (the op type overlapping each backward most)"))
