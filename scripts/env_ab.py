@@ -7,8 +7,9 @@ separate processes: this script starts one child per side and round, alternating
 (fused_batch_norm_grad, training, inside a tf.function, called eagerly with inputs held by
 Python: x_backprop is a fresh output every call), or with --op forward our forward
 (fused_batch_norm, training; y fresh) on every case, interleaved, and reports per case the
-median time and the median of the process's minor page faults per call (getrusage). Per case the script prints both sides' medians over rounds and the median of
-the per-round ratios B / A with a bootstrap 95% interval (scripts/model_ab.py's estimator).
+median time and the median of the process's minor page faults per call (getrusage). Per
+case the script prints both sides' medians over rounds, the median of the per-round ratios
+B / A with a bootstrap 95% interval (scripts/model_ab.py's estimator) and the page faults.
 
     .venv/bin/python scripts/env_ab.py VAR [--values off,on] [--rounds 5] [--reps 15]
         [--shapes 32x112x112x64,...] [--dtypes float32,bfloat16] [--formats NHWC,NCHW]

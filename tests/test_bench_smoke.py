@@ -836,3 +836,21 @@ def test_correctness_failure_is_one_line_and_exit_1(monkeypatch, capsys):
     monkeypatch.setattr(bench.cli, "run", wrong)
     assert bench.main(["--shapes", "2x4x4x8", "--no-eigen", "--bandwidth-mib", "1"]) == 1
     assert "error: correctness check failed: dx rel err" in capsys.readouterr().err
+
+
+def test_machine_meta_records_huge_pages(tmp_path):
+    """Stored runs say whether our ops advise huge pages and what the kernel's THP mode is."""
+    from fbn_grad_tf import core
+    from fbn_grad_tf.bench import timing
+    meta = timing._machine_meta()
+    assert meta["fbn_grad_tf_hugepages"] is bool(core.hugepage_advice())
+    assert meta["thp_mode"] in ("always", "madvise", "never", None)
+    assert ("huge pages %s (THP %s)" % ("on" if meta["fbn_grad_tf_hugepages"] else "off",
+                                        meta["thp_mode"] or "n/a")) in meta["fbn_grad_tf_isa"]
+    for text, want in [("always [madvise] never\n", "madvise"),
+                       ("[always] madvise never", "always"),
+                       ("always madvise [never]", "never"), ("garbage", None)]:
+        f = tmp_path / "enabled"
+        f.write_text(text)
+        assert timing.thp_mode(str(f)) == want
+    assert timing.thp_mode(str(tmp_path / "missing")) is None

@@ -45,6 +45,20 @@ def cpuinfo_field(key):
     return None
 
 
+def thp_mode(path="/sys/kernel/mm/transparent_hugepage/enabled"):
+    """The kernel's transparent huge page mode ('always', 'madvise', 'never'), or None where
+    the file is missing or unreadable (not Linux, no THP)."""
+    try:
+        with open(path) as f:
+            words = f.read().split()
+    except OSError:
+        return None
+    for word in words:
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return None
+
+
 def _cpu_model():
     return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
@@ -341,8 +355,11 @@ def _machine_meta():
     try:  # ... and whether fresh outputs are advised for huge pages (common.h)
         from .. import core
         meta["fbn_grad_tf_hugepages"] = bool(core.hugepage_advice())
-        meta["fbn_grad_tf_isa"] += ", huge pages %s" % (
-            "on" if meta["fbn_grad_tf_hugepages"] else "off")
+        # The kernel's THP mode decides what the advice does ("madvise": only advised memory,
+        # so TF's own tensors stay in 4 KiB pages; "always": every large mapping anyway).
+        meta["thp_mode"] = thp_mode()
+        meta["fbn_grad_tf_isa"] += ", huge pages %s (THP %s)" % (
+            "on" if meta["fbn_grad_tf_hugepages"] else "off", meta["thp_mode"] or "n/a")
     except Exception as e:  # pragma: no cover
         meta["fbn_grad_tf_isa"] += ", huge pages: unknown (%s)" % e
     return meta
