@@ -9,28 +9,15 @@ output is backed by huge pages. Where the kernel has no transparent huge pages, 
 every mapping with them ("always"), only the knob itself is checked.
 """
 import json
-import os
 
 import pytest
 
 import subproc
 
 pytest.importorskip("tensorflow")
+from fbn_grad_tf.bench.timing import thp_mode  # noqa: E402  (the bench's own reading)
 
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def _thp_mode():
-    """The kernel's THP mode ('always', 'madvise', 'never'), or None without THP."""
-    try:
-        with open(THP_ENABLED) as f:
-            text = f.read()
-    except OSError:
-        return None
-    for word in text.split():
-        if word.startswith("["):
-            return word.strip("[]")
-    return None
 
 
 def _thp_bytes():
@@ -94,7 +81,7 @@ def test_fresh_output_advised_unless_off(knob):
     want_advice = knob != "off"
     assert got["advice"] is want_advice
     assert got["max_err"] < 1e-3, got
-    mode = _thp_mode()
+    mode = thp_mode(THP_ENABLED)
     if mode is None or mode == "never":
         pytest.skip("this kernel has no transparent huge pages (%s): only the knob checked"
                     % THP_ENABLED)

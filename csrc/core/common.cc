@@ -468,6 +468,21 @@ CpuIsa DefaultCpuIsa() {
   return chosen;
 }
 
+namespace {
+// An on | off | auto switch from the environment variable `name` (also 1 | 0; unset or empty
+// is auto): the value, or `auto_value` for auto; anything else is reported and taken as auto.
+bool OnOffAutoSwitch(const char* name, bool auto_value) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return auto_value;
+  if (std::strcmp(env, "on") == 0 || std::strcmp(env, "1") == 0) return true;
+  if (std::strcmp(env, "off") == 0 || std::strcmp(env, "0") == 0) return false;
+  std::fprintf(stderr,
+               "fbn_grad_tf: ignoring %s=%s (expected on, off or auto); using %s\n", name,
+               env, auto_value ? "on" : "off");
+  return auto_value;
+}
+}  // namespace
+
 bool SoftwarePrefetch() {
   static const bool chosen = [] {
 #if defined(__x86_64__) || defined(__i386__)
@@ -476,15 +491,7 @@ bool SoftwarePrefetch() {
 #else
     const bool by_vendor = true;
 #endif
-    const char* env = std::getenv("FBN_GRAD_TF_PREFETCH");
-    if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return by_vendor;
-    if (std::strcmp(env, "on") == 0 || std::strcmp(env, "1") == 0) return true;
-    if (std::strcmp(env, "off") == 0 || std::strcmp(env, "0") == 0) return false;
-    std::fprintf(stderr,
-                 "fbn_grad_tf: ignoring FBN_GRAD_TF_PREFETCH=%s (expected on, off or auto); "
-                 "using %s\n",
-                 env, by_vendor ? "on" : "off");
-    return by_vendor;
+    return OnOffAutoSwitch("FBN_GRAD_TF_PREFETCH", by_vendor);
   }();
   return chosen;
 }
@@ -544,17 +551,7 @@ void CountStreamedOutput() { g_streamed_outputs.fetch_add(1, std::memory_order_r
 int64_t StreamedOutputCount() { return g_streamed_outputs.load(std::memory_order_relaxed); }
 
 bool HugePageAdvice() {
-  static const bool chosen = [] {
-    const char* env = std::getenv("FBN_GRAD_TF_HUGEPAGES");
-    if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return true;
-    if (std::strcmp(env, "on") == 0 || std::strcmp(env, "1") == 0) return true;
-    if (std::strcmp(env, "off") == 0 || std::strcmp(env, "0") == 0) return false;
-    std::fprintf(stderr,
-                 "fbn_grad_tf: ignoring FBN_GRAD_TF_HUGEPAGES=%s (expected on, off or auto); "
-                 "using on\n",
-                 env);
-    return true;
-  }();
+  static const bool chosen = OnOffAutoSwitch("FBN_GRAD_TF_HUGEPAGES", true);
   return chosen;
 }
 

@@ -17,7 +17,8 @@ import numpy as np
 from . import _core
 
 __all__ = ["bn_grad", "bn_forward", "validate", "validate_forward", "default_isa", "cpu_supports",
-           "software_prefetch", "stream_min_bytes", "hugepage_advice", "CPU_ISAS", "with_cuda", "bfloat16"]
+           "software_prefetch", "stream_min_bytes", "hugepage_advice", "CPU_ISAS", "with_cuda",
+           "bfloat16"]
 
 with_cuda = bool(_core.with_cuda)
 default_isa = _core.default_isa
