@@ -68,6 +68,27 @@ def test_run_tiny_grid():
     summary = bench.summarize(rows)
     text = bench.format_summary(summary, bw)
     assert "float32 NHWC" in text and "bandwidth = 20.0 GB/s" in text
+    assert "readings" not in text  # one reading: nothing to say about readings
+
+
+def test_best_bandwidth_of_start_and_end_readings():
+    """A run's bandwidth is the best of its readings, rate by rate; the readings are kept."""
+    low = {"bandwidth": 22.5, "copy": 22.5, "triad": 13.5, "numpy_copy": 22.5,
+           "numpy_triad": 12.5, "tf_scale": 9.9, "tf_triad": 13.5, "array_mib": 256,
+           "threads": 2, "repeats": 5, "tf_triad_fused": True}
+    high = dict(low, bandwidth=29.8, copy=29.8, triad=25.0, numpy_copy=29.8, numpy_triad=25.0,
+                tf_scale=12.0, tf_triad=15.0)
+    bw = bench.best_bandwidth([low, high])
+    assert bw["bandwidth"] == 29.8 and bw["triad"] == 25.0 and bw["tf_scale"] == 12.0
+    assert bw["readings_gbs"] == [22.5, 29.8]
+    assert bw["array_mib"] == 256 and bw["tf_triad_fused"] is True
+    assert bench.best_bandwidth([high, low])["bandwidth"] == 29.8
+    assert low["bandwidth"] == 22.5  # the readings are not modified
+    summary = {"speedups": [], "bandwidth_fraction_large": [], "chain_bandwidth_fraction": []}
+    text = bench.format_summary(summary, bw)
+    assert "bandwidth = 29.8 GB/s (best of the readings at the run's start and end: 22.5 and 29.8)" in text
+    with pytest.raises(ValueError):
+        bench.best_bandwidth([])
 
 
 def test_chain_columns(capsys):
@@ -149,6 +170,10 @@ def test_command_line_with_worker(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert set(data) >= {"meta", "bandwidth", "summary", "results"}
     assert data["bandwidth"]["bandwidth"] > 0
+    # measured at the start and at the end, the best of the two kept
+    assert len(data["bandwidth"]["readings_gbs"]) == 2
+    assert data["bandwidth"]["bandwidth"] == pytest.approx(max(data["bandwidth"]["readings_gbs"]),
+                                                           abs=0.01)
     assert len(data["results"]) == 4
     for row in data["results"]:
         # both TF backends were measured: one here, the other in the worker subprocess

@@ -55,7 +55,7 @@ from .cases import (  # noqa: F401
     VEC_TOL, CorrectnessError, Config, quick_config, shape_str, parse_shape, tensor_shape,
     short_error, numpy_reference)
 from .timing import (  # noqa: F401
-    onednn_enabled, backend_name, configure_threads, Progress, measure_bandwidth,
+    onednn_enabled, backend_name, configure_threads, Progress, measure_bandwidth, best_bandwidth,
     time_interleaved, warm_up_and_time, machine_kind, kind_slug, command_line)
 from .contestants import (  # noqa: F401
     TORCH_MISSING, TORCH_INSTALL_HINT, LAYER_COLUMNS, LAYER_KEYS, LAYER_HEADERS, NEEDS_FORWARD,

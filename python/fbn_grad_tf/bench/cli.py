@@ -10,7 +10,7 @@ import tensorflow as tf
 from .cases import Config, DTYPES, FORMATS, MAX_CHAIN, MODES, parse_shape, quick_config
 from .timing import (
     _fmt_duration, _loadavg, _machine_meta, backend_name, command_line, configure_threads,
-    measure_bandwidth, onednn_enabled)
+    best_bandwidth, measure_bandwidth, onednn_enabled)
 from .contestants import LAYER_COLUMNS, LAYER_HEADERS, NEEDS_FORWARD
 from .runs import run, run_layer, run_worker_subprocess
 from .models import (
@@ -337,6 +337,9 @@ def _main(argv):
             other_res = run_worker_subprocess(other, config)
         except (RuntimeError, OSError, ValueError, KeyError) as e:
             other_error = str(e)
+    if config.progress:
+        print("measuring memory bandwidth again ...", file=sys.stderr, flush=True)
+    bandwidth = best_bandwidth([bandwidth, measure_bandwidth(threads, mib=args.bandwidth_mib)])
     rows = merge(main_res, other_res, bandwidth)
     have_torch = any(r["torch_ms"] is not None or r["torch_error"] for r in rows)
     summary = summarize(rows, have_torch)
@@ -357,7 +360,8 @@ def _main(argv):
     print("times: median ms over `reps` interleaved calls each (inside tf.function); "
           "x = their ms / ours ms from the same process (>1: ours faster)")
     print("GB/s = 3 x elements x itemsize / ours (read dy and x, write dx); "
-          "%%BW = that / %.1f GB/s (this run's bandwidth, below)" % bandwidth["bandwidth"])
+          "%%BW = that / %.1f GB/s (this run's bandwidth, below: the best of its readings at "
+          "the start and the end)" % bandwidth["bandwidth"])
     if other_res is not None and main_backend == "onednn":
         print("ours(E) = ours timed in the Eigen worker process (TF_ENABLE_ONEDNN_OPTS=0%s), "
               "interleaved with TF-Eigen; TF-Eigen's x is against it" %

@@ -222,8 +222,12 @@ def format_summary(summary, bandwidth=None, have_torch=False):
                       bandwidth["numpy_copy"], bandwidth["numpy_triad"],
                       bandwidth["tf_scale"], " (XLA)" if bandwidth.get("tf_triad_fused")
                       else "", bandwidth["tf_triad"]))
-        out.append("  copy %.1f, triad %.1f -> bandwidth = %.1f GB/s"
-                   % (bandwidth["copy"], bandwidth["triad"], bandwidth["bandwidth"]))
+        readings = bandwidth.get("readings_gbs") or []
+        out.append("  copy %.1f, triad %.1f -> bandwidth = %.1f GB/s%s"
+                   % (bandwidth["copy"], bandwidth["triad"], bandwidth["bandwidth"],
+                      " (best of the readings at the run's start and end: %s)"
+                      % " and ".join("%.1f" % r for r in readings) if len(readings) > 1
+                      else ""))
     if summary["bandwidth_fraction_large"]:
         out.append("Our effective bandwidth (3 x elements x itemsize / time) as a fraction of "
                    "it, median over large shapes (>= %dM elements):" %
