@@ -86,7 +86,8 @@ def test_best_bandwidth_of_start_and_end_readings():
     assert low["bandwidth"] == 22.5  # the readings are not modified
     summary = {"speedups": [], "bandwidth_fraction_large": [], "chain_bandwidth_fraction": []}
     text = bench.format_summary(summary, bw)
-    assert "bandwidth = 29.8 GB/s (best of the readings at the run's start and end: 22.5 and 29.8)" in text
+    assert ("bandwidth = 29.8 GB/s (best of the readings at the run's start and end: "
+            "22.5 and 29.8)") in text
     with pytest.raises(ValueError):
         bench.best_bandwidth([])
 
