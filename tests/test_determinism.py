@@ -3,7 +3,9 @@
 TensorFlow's thread pools cannot be resized after initialization, so each configuration runs
 in a child Python process: intra-op threads 1, 2 and 4 (and the CPU paths forced through
 FBN_GRAD_TF_ISA, the software prefetch forced on and off through FBN_GRAD_TF_PREFETCH,
-every output streamed through FBN_GRAD_TF_STREAM_MIB=0, and every call at once in one
+every output streamed through FBN_GRAD_TF_STREAM_MIB=0, the channel-major training plan
+allowed for every channel and turned off through FBN_GRAD_TF_CHANNEL_MAJOR_KIB, and every
+call at once in one
 tf.function with inter-op parallelism), on
 the same seeded inputs, each computing every case twice, with the plain backward and with
 the fused one (FusedBatchNormGradEx: Relu6, Swish with a side input). The children
@@ -51,7 +53,8 @@ CHILD = textwrap.dedent(r"""
     result = {"intra_op_threads": np.array(tf.config.threading.get_intra_op_parallelism_threads()),
               "isa": np.array(core.default_isa()),
               "prefetch": np.array(core.software_prefetch()),
-              "stream_min_bytes": np.array([core.stream_min_bytes(4), core.stream_min_bytes(2)])}
+              "stream_min_bytes": np.array([core.stream_min_bytes(4), core.stream_min_bytes(2)]),
+              "channel_major_max_bytes": np.array(core.channel_major_max_bytes())}
     calls = {}
     for i, (fmt, shape, dtype) in enumerate(cases):
         for training in (True, False):
@@ -114,6 +117,10 @@ CONFIGS = {  # name -> (intra-op threads, inter-op threads, extra environment)
     "threads2-prefetch-off": (2, 1, {"FBN_GRAD_TF_PREFETCH": "off"}),
     # Every output written with non-temporal stores (the default streams only large ones).
     "threads2-streamed": (2, 1, {"FBN_GRAD_TF_STREAM_MIB": "0"}),
+    # The channels-first training backward channel by channel for every channel (the
+    # NCHW/NCDHW cases' planes are 8-32 KB), and never (the default depends on the CPU).
+    "threads2-channel-major": (2, 1, {"FBN_GRAD_TF_CHANNEL_MAJOR_KIB": "1048576"}),
+    "threads2-plane-tasks": (2, 1, {"FBN_GRAD_TF_CHANNEL_MAJOR_KIB": "0"}),
     # Every call in one tf.function with 4 inter-op threads: our ops run at the same time
     # and compete for the 2 intra-op threads.
     "threads2-concurrent": (2, 4, {}),
@@ -151,6 +158,10 @@ def test_children_ran_with_requested_configuration(child_outputs):
         want = {"on": True, "off": False}.get(env.get("FBN_GRAD_TF_PREFETCH"),
                                               core.software_prefetch())
         assert bool(out["prefetch"]) == want
+        kib = env.get("FBN_GRAD_TF_CHANNEL_MAJOR_KIB")
+        # (by default never where the kernels prefetch, 4 MiB where they do not)
+        assert int(out["channel_major_max_bytes"]) == (
+            (0 if want else 4 << 20) if kib is None else int(kib) << 10)
         if "FBN_GRAD_TF_STREAM_MIB" in env:
             assert list(out["stream_min_bytes"]) == [0, 0]
         else:

@@ -508,38 +508,51 @@ int64_t LastLevelCacheBytes() {
 }
 }  // namespace
 
+namespace {
+// A size from the environment variable `name`: a plain decimal number of `unit` bytes
+// (digits and at most one point: no sign, space, exponent or hex, which strtod would take;
+// parsed by hand, as strtod's decimal point follows the locale), or -1 when unset, empty or
+// "auto". Anything else is reported and taken as auto.
+int64_t EnvBytes(const char* name, int64_t unit, const char* unit_name) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return int64_t{-1};
+  double value = 0.0, place = 1.0;
+  bool digits = false, point = false, ok = true;
+  for (const char* c = env; *c != '\0' && ok; ++c) {
+    if (*c >= '0' && *c <= '9') {
+      digits = true;
+      if (point) place /= 10.0;
+      value = point ? value + (*c - '0') * place : value * 10.0 + (*c - '0');
+    } else if (*c == '.' && !point) {
+      point = true;
+    } else {
+      ok = false;
+    }
+  }
+  if (!ok || !digits || value > 1e9) {
+    std::fprintf(stderr, "fbn_grad_tf: ignoring %s=%s (expected a number of %s >= 0, or auto)\n",
+                 name, env, unit_name);
+    return int64_t{-1};
+  }
+  return static_cast<int64_t>(value * static_cast<double>(unit));
+}
+}  // namespace
+
 int64_t StreamMinBytes(int itemsize) {
   // -1: no override; otherwise the threshold for every type.
-  static const int64_t forced = [] {
-    const char* env = std::getenv("FBN_GRAD_TF_STREAM_MIB");
-    if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return int64_t{-1};
-    // A plain decimal number: digits and at most one point (no sign, space, exponent or hex,
-    // which strtod would take); parsed by hand, as strtod's decimal point follows the locale.
-    double mib = 0.0, unit = 1.0;
-    bool digits = false, point = false, ok = true;
-    for (const char* c = env; *c != '\0' && ok; ++c) {
-      if (*c >= '0' && *c <= '9') {
-        digits = true;
-        if (point) unit /= 10.0;
-        mib = point ? mib + (*c - '0') * unit : mib * 10.0 + (*c - '0');
-      } else if (*c == '.' && !point) {
-        point = true;
-      } else {
-        ok = false;
-      }
-    }
-    if (!ok || !digits || mib > 1e9) {
-      std::fprintf(stderr,
-                   "fbn_grad_tf: ignoring FBN_GRAD_TF_STREAM_MIB=%s (expected a number of "
-                   "MiB >= 0, or auto)\n",
-                   env);
-      return int64_t{-1};
-    }
-    return static_cast<int64_t>(mib * static_cast<double>(kMiB));
-  }();
+  static const int64_t forced = EnvBytes("FBN_GRAD_TF_STREAM_MIB", kMiB, "MiB");
   static const int64_t half_bytes = std::max(8 * kMiB, LastLevelCacheBytes() / 10);
   if (forced >= 0) return forced;
   return itemsize >= 4 ? 8 * kMiB : half_bytes;
+}
+
+int64_t ChannelMajorMaxBytes() {
+  static const int64_t bytes = [] {
+    const int64_t forced = EnvBytes("FBN_GRAD_TF_CHANNEL_MAJOR_KIB", 1024, "KiB");
+    if (forced >= 0) return forced;
+    return SoftwarePrefetch() ? int64_t{0} : 4 * kMiB;
+  }();
+  return bytes;
 }
 
 namespace {
@@ -549,6 +562,14 @@ std::atomic<int64_t> g_streamed_outputs{0};
 void CountStreamedOutput() { g_streamed_outputs.fetch_add(1, std::memory_order_relaxed); }
 
 int64_t StreamedOutputCount() { return g_streamed_outputs.load(std::memory_order_relaxed); }
+
+namespace {
+std::atomic<int64_t> g_channel_major_calls{0};
+}  // namespace
+
+void CountChannelMajorCall() { g_channel_major_calls.fetch_add(1, std::memory_order_relaxed); }
+
+int64_t ChannelMajorCallCount() { return g_channel_major_calls.load(std::memory_order_relaxed); }
 
 bool HugePageAdvice() {
   static const bool chosen = OnOffAutoSwitch("FBN_GRAD_TF_HUGEPAGES", true);

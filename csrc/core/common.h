@@ -226,6 +226,24 @@ bool SoftwarePrefetch();
 // is a heuristic: measured only on that VM, which sees the host's whole L3.
 int64_t StreamMinBytes(int itemsize);
 
+// The largest channel, in bytes of its y_backprop and x planes together, that the training
+// backward takes channel by channel on channels-first tensors (backward.inc, "the
+// channel-major plan"): a task reduces one channel's planes and applies dx to them right
+// after, while they are still cached, so the inputs come from memory once instead of twice.
+// 4 MiB where the hardware prefetchers work alone (SoftwarePrefetch() off: AMD CPUs), where
+// it was measured: on a 2-core AMD EPYC Zen 2 (16 MiB L3 per core complex), channels of up
+// to 6.4 MB still took 0.71x the time (docs/PERFORMANCE_NOTES.md, "Channels-first training:
+// channel by channel"); 0 (never) where the kernels prefetch, as the plan was not measured
+// there and their prefetch would run past each plane's end into the next channel's. The
+// environment variable FBN_GRAD_TF_CHANNEL_MAJOR_KIB (a plain decimal number of KiB,
+// 0 = never; auto) overrides it. Read once, by each library that holds the kernels.
+int64_t ChannelMajorMaxBytes();
+
+// How many training backward calls the CPU kernels have taken channel by channel in this
+// library since it was loaded: a statistic for tests; results never depend on it.
+void CountChannelMajorCall();
+int64_t ChannelMajorCallCount();
+
 // How many outputs the CPU kernels have streamed in this library since it was loaded (one per
 // kernel pass that writes its dx or y with non-temporal stores). A statistic for tests and
 // tools: it shows which way StreamMinBytes sent a call; results never depend on it.

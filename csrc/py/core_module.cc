@@ -547,6 +547,13 @@ PYBIND11_MODULE(_core, m) {
   m.def("streamed_output_count", [] { return fbn::StreamedOutputCount(); },
         "How many outputs this module's CPU kernels have written with non-temporal stores "
         "(one per kernel pass), a statistic for tests");
+  m.def("channel_major_max_bytes", [] { return fbn::ChannelMajorMaxBytes(); },
+        "The largest channel (bytes of its y_backprop and x planes) that the CPU training "
+        "backward takes channel by channel on channels-first tensors; 0 = never "
+        "(FBN_GRAD_TF_CHANNEL_MAJOR_KIB overrides)");
+  m.def("channel_major_call_count", [] { return fbn::ChannelMajorCallCount(); },
+        "How many training backward calls this module's CPU kernels have taken channel by "
+        "channel, a statistic for tests");
   m.def("isa_names", [] {
     std::vector<std::string> names;
     for (fbn::CpuIsa isa : fbn::kCpuIsas) names.push_back(fbn::CpuIsaName(isa));

@@ -17,7 +17,8 @@ import numpy as np
 from . import _core
 
 __all__ = ["bn_grad", "bn_forward", "validate", "validate_forward", "default_isa", "cpu_supports",
-           "software_prefetch", "stream_min_bytes", "hugepage_advice", "CPU_ISAS", "with_cuda",
+           "software_prefetch", "stream_min_bytes", "hugepage_advice", "channel_major_max_bytes",
+           "CPU_ISAS", "with_cuda",
            "bfloat16"]
 
 with_cuda = bool(_core.with_cuda)
@@ -34,6 +35,11 @@ stream_min_bytes = _core.stream_min_bytes
 # pages before writing them, which makes their first-touch page faults 512x fewer on Linux;
 # FBN_GRAD_TF_HUGEPAGES=on|off|auto (auto = on) overrides (read once).
 hugepage_advice = _core.hugepage_advice
+# The largest channel (bytes of its y_backprop and x planes) that the CPU training backward
+# takes channel by channel on channels-first tensors, reading them from memory once: 4 MiB
+# where the backward leaves prefetching to the hardware (AMD CPUs), 0 (never) elsewhere;
+# FBN_GRAD_TF_CHANNEL_MAJOR_KIB=<KiB> overrides (read once).
+channel_major_max_bytes = _core.channel_major_max_bytes
 # Every CPU path compiled in, lowest first; cpu_supports(name) says which this CPU can run.
 CPU_ISAS = tuple(_core.isa_names())
 validate = _core.validate
