@@ -1,7 +1,7 @@
 """The training backward's channel-major plan on channels-first tensors (backward.inc): each
 task reduces one channel's planes and applies dx to them right after. It must give the bits
 of the plane-task plan on every path, with every activation, in place or not, and be taken
-exactly where ChannelMajorMaxBytes and the plane size allow.
+exactly where ChannelMajorMaxBytes, the plane size and the channel count allow.
 
 Two children compute the same outputs, one with the plan off (FBN_GRAD_TF_CHANNEL_MAJOR_KIB=0)
 and one with it allowed for any channel size, so the test does not depend on the CPU's
@@ -19,12 +19,15 @@ from helpers import np_dtype, subprocess_env
 
 # (format, shape): plane lengths around the 2 KB minimum (kRunBytes) of each element size,
 # tails off the 16-lane grid, and planes of more than 16384 elements (two pieces each).
+# Channels: at least 4 per thread the call may use (1 and 2 here), or the plan is not taken.
 CASES = [
-    ("NCHW", (4, 6, 24, 24)),        # 576: float32 2304 B (taken), 16-bit 1152 B (not)
-    ("NCHW", (3, 5, 33, 40)),        # 1320: every type; an 8-element tail
-    ("NCHW", (2, 4, 17, 61)),        # 1037: 16-bit 2074 B (taken); a 13-element tail
-    ("NCDHW", (2, 3, 4, 80, 70)),    # 22400: two pieces per plane
-    ("NCHW", (5, 3, 16, 32)),        # 512: a small plane (batched plane tasks, never taken)
+    ("NCHW", (4, 9, 24, 24)),        # 576: float32 2304 B (taken), 16-bit 1152 B (not)
+    ("NCHW", (3, 10, 33, 40)),       # 1320: every type; an 8-element tail
+    ("NCHW", (2, 8, 17, 61)),        # 1037: 16-bit 2074 B (taken); a 13-element tail
+    ("NCDHW", (2, 8, 4, 80, 70)),    # 22400: two pieces per plane
+    ("NCHW", (2, 6, 33, 40)),        # 6 channels: taken on one thread, not on two
+    ("NCHW", (5, 8, 16, 32)),        # 512: a small plane (batched plane tasks, never taken)
+    ("NHWC", (2, 40, 40, 1)),        # one channel of any layout is one plane: never taken
 ]
 DTYPES = ("float32", "float16", "bfloat16")
 KINDS = ("plain", "in_place_dy", "in_place_x", "relu", "relu6_side", "swish_side", "inference")
@@ -32,20 +35,28 @@ RUN_BYTES = 2048  # backward.inc's kRunBytes
 ALWAYS_KIB = 1 << 20
 
 
-def taken(fmt, shape, dtype, kind, budget_bytes):
+def taken(fmt, shape, dtype, kind, budget_bytes, threads):
     """Whether the plan applies (backward.inc, ChannelMajor)."""
-    inner = int(np.prod(shape[2:]))
+    if fmt.startswith("NC"):
+        n, c, inner = shape[0], shape[1], int(np.prod(shape[2:]))
+    else:
+        n, c, inner = shape[0], shape[-1], int(np.prod(shape[1:-1]))
+    if c == 1:  # one plane (Canonical)
+        n, inner = 1, n * inner
+    if inner < 16:  # row tasks
+        return False
     itemsize = np.dtype(np_dtype(dtype)).itemsize
     return (kind != "inference" and inner > 512 and inner * itemsize >= RUN_BYTES
-            and 2 * shape[0] * inner * itemsize <= budget_bytes)
+            and c >= 4 * threads and 2 * n * inner * itemsize <= budget_bytes)
 
 
 def outputs():
     """name -> bits of every output, and the number of calls made per (case, dtype, kind)."""
     out = {}
     for fmt, shape in CASES:
-        c = shape[1]
-        axes = (0,) + tuple(range(2, len(shape)))
+        first = fmt.startswith("NC")
+        c = shape[1] if first else shape[-1]
+        axes = (0,) + tuple(range(2, len(shape))) if first else tuple(range(len(shape) - 1))
         for dtype in DTYPES:
             dt = np_dtype(dtype)
             rng = np.random.default_rng(len(shape) * 1000 + shape[-1] * 7 + len(dtype))
@@ -103,8 +114,9 @@ def expected_calls(budget_bytes):
     for fmt, shape in CASES:
         for dtype in DTYPES:
             for kind in KINDS:
-                if taken(fmt, shape, dtype, kind, budget_bytes):
-                    n += 2 + (isas if kind == "plain" else 0)
+                n += sum(taken(fmt, shape, dtype, kind, budget_bytes, t) for t in (1, 2))
+                if kind == "plain" and taken(fmt, shape, dtype, kind, budget_bytes, 2):
+                    n += isas  # the per-path calls, on two threads
     return n
 
 
@@ -136,7 +148,10 @@ def test_channel_major_gives_the_plane_tasks_bits(tmp_path):
     calls = int(on.pop("calls")[0])
     # The plan was taken exactly where it applies (and some cases are outside it).
     assert calls == expected_calls(ALWAYS_KIB << 10) > 0
-    assert any(not taken(fmt, shape, dtype, "plain", ALWAYS_KIB << 10)
+    assert any(not taken(fmt, shape, dtype, "plain", ALWAYS_KIB << 10, 1)
+               for fmt, shape in CASES for dtype in DTYPES)
+    assert any(taken(fmt, shape, dtype, "plain", ALWAYS_KIB << 10, 1)
+               and not taken(fmt, shape, dtype, "plain", ALWAYS_KIB << 10, 2)
                for fmt, shape in CASES for dtype in DTYPES)
     assert sorted(off) == sorted(on) and len(on) > 300
     for k in off:

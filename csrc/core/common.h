@@ -118,6 +118,8 @@ class TaskRunner {
   // cost_per_task: rough number of elements one task touches (a scheduling hint).
   virtual void Run(int64_t num_tasks, int64_t cost_per_task,
                    const std::function<void(int64_t, int64_t)>& fn) const = 0;
+  // The most threads a Run may use (the caller included).
+  virtual int64_t MaxThreads() const = 0;
 };
 
 // One step of a spin-wait (the runners' bounded waits for each other): tells the core, and a
@@ -168,6 +170,7 @@ class ThreadRunner : public TaskRunner {
   explicit ThreadRunner(int num_threads) : num_threads_(num_threads < 1 ? 1 : num_threads) {}
   void Run(int64_t num_tasks, int64_t cost_per_task,
            const std::function<void(int64_t, int64_t)>& fn) const override;
+  int64_t MaxThreads() const override { return num_threads_; }
 
  private:
   int num_threads_;
@@ -231,10 +234,11 @@ int64_t StreamMinBytes(int itemsize);
 // channel-major plan"): a task reduces one channel's planes and applies dx to them right
 // after, while they are still cached, so the inputs come from memory once instead of twice.
 // 4 MiB where the hardware prefetchers work alone (SoftwarePrefetch() off: AMD CPUs), where
-// it was measured: on a 2-core AMD EPYC Zen 2 (16 MiB L3 per core complex), channels of up
-// to 6.4 MB still took 0.71x the time (docs/PERFORMANCE_NOTES.md, "Channels-first training:
-// channel by channel"); 0 (never) where the kernels prefetch, as the plan was not measured
-// there and their prefetch would run past each plane's end into the next channel's. The
+// it was measured: on a 2-core AMD EPYC Zen 2 (16 MiB L3 per core complex) channels of up to
+// 3.2 MB took 0.74-0.77x the time in float32, and 6.4 MB ones (above this default, with the
+// override) still 0.71x (docs/PERFORMANCE_NOTES.md, "Channels-first training: channel by
+// channel"); 0 (never) where the kernels prefetch, as the plan was not measured there and
+// their prefetch would run past each plane's end into the next channel's. The
 // environment variable FBN_GRAD_TF_CHANNEL_MAJOR_KIB (a plain decimal number of KiB,
 // 0 = never; auto) overrides it. Read once, by each library that holds the kernels.
 int64_t ChannelMajorMaxBytes();

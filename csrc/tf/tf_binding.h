@@ -73,6 +73,8 @@ class IntraOpPoolRunner final : public fbn::TaskRunner {
  public:
   explicit IntraOpPoolRunner(tensorflow::thread::ThreadPool* pool) : pool_(pool) {}
 
+  int64_t MaxThreads() const override { return pool_ == nullptr ? 1 : pool_->NumThreads(); }
+
   void Run(int64_t num_tasks, int64_t cost_per_task,
            const std::function<void(int64_t, int64_t)>& fn) const override {
     if (num_tasks <= 0) return;
