@@ -506,9 +506,7 @@ int64_t LastLevelCacheBytes() {
 #endif
   return 0;
 }
-}  // namespace
 
-namespace {
 // A size from the environment variable `name`: a plain decimal number of `unit` bytes
 // (digits and at most one point: no sign, space, exponent or hex, which strtod would take;
 // parsed by hand, as strtod's decimal point follows the locale), or -1 when unset, empty or
@@ -557,15 +555,12 @@ int64_t ChannelMajorMaxBytes() {
 
 namespace {
 std::atomic<int64_t> g_streamed_outputs{0};
+std::atomic<int64_t> g_channel_major_calls{0};
 }  // namespace
 
 void CountStreamedOutput() { g_streamed_outputs.fetch_add(1, std::memory_order_relaxed); }
 
 int64_t StreamedOutputCount() { return g_streamed_outputs.load(std::memory_order_relaxed); }
-
-namespace {
-std::atomic<int64_t> g_channel_major_calls{0};
-}  // namespace
 
 void CountChannelMajorCall() { g_channel_major_calls.fetch_add(1, std::memory_order_relaxed); }
 

@@ -18,8 +18,7 @@ from . import _core
 
 __all__ = ["bn_grad", "bn_forward", "validate", "validate_forward", "default_isa", "cpu_supports",
            "software_prefetch", "stream_min_bytes", "hugepage_advice", "channel_major_max_bytes",
-           "CPU_ISAS", "with_cuda",
-           "bfloat16"]
+           "CPU_ISAS", "with_cuda", "bfloat16"]
 
 with_cuda = bool(_core.with_cuda)
 default_isa = _core.default_isa
