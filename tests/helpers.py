@@ -394,3 +394,17 @@ def subprocess_env(**extra):
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def child_with_env_value(var, value, code, rejected):
+    """Runs `code` (Python that prints what it reads) in a child with the environment
+    variable var=value and returns the words it printed. rejected: the library must have
+    reported the value ("ignoring VAR=value") and fallen back to its default."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=subprocess_env(**{var: value}), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    if rejected:
+        assert "ignoring %s=%s" % (var, value) in p.stderr, p.stderr[-2000:]
+    return p.stdout.split()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fbn_grad_tf import core
-from helpers import np_dtype, subprocess_env
+from helpers import child_with_env_value, np_dtype, subprocess_env
 
 # (format, shape): plane lengths around the 2 KB minimum (kRunBytes) of each element size,
 # tails off the 16-lane grid, and planes of more than 16384 elements (two pieces each).
@@ -179,14 +179,12 @@ def test_channel_major_budget_default():
                                          ("auto", None), ("", None), ("-1", None),
                                          ("1e3", None), ("bogus", None)])
 def test_channel_major_budget_environment_override(value, want):
-    child = "from fbn_grad_tf import core; print(core.channel_major_max_bytes(), " \
-            "core.software_prefetch())"
-    p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
-                       env=subprocess_env(FBN_GRAD_TF_CHANNEL_MAJOR_KIB=value), timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    budget, prefetch = p.stdout.split()
-    if want is None:  # auto, or an unusable value (with a warning): the default
-        if value not in ("auto", ""):
-            assert "ignoring FBN_GRAD_TF_CHANNEL_MAJOR_KIB=%s" % value in p.stderr
+    # auto, or an unusable value (with a warning): the default
+    budget, prefetch = child_with_env_value(
+        "FBN_GRAD_TF_CHANNEL_MAJOR_KIB", value,
+        "from fbn_grad_tf import core; print(core.channel_major_max_bytes(), "
+        "core.software_prefetch())",
+        rejected=want is None and value not in ("auto", ""))
+    if want is None:
         want = 0 if prefetch == "True" else 4 << 20
     assert int(budget) == want
