@@ -1,7 +1,9 @@
-"""The training backward's channel-major plan on channels-first tensors (backward.inc): each
-task reduces one channel's planes and applies dx to them right after. It must give the bits
-of the plane-task plan on every path, with every activation, in place or not, and be taken
-exactly where ChannelMajorMaxBytes, the plane size and the channel count allow.
+"""The channel-major plan on channels-first tensors: in the training backward (backward.inc)
+each task reduces one channel's planes and applies dx to them right after; in the float
+training forward (forward.inc) it computes one channel's statistics and normalizes its
+planes right after. It must give the bits of the plane-task plan on every path, with every
+activation, in place or not, and be taken exactly where ChannelMajorMaxBytes, the plane size,
+the channel count (and for the forward the dtype) allow.
 
 Two children compute the same outputs, one with the plan off (FBN_GRAD_TF_CHANNEL_MAJOR_KIB=0)
 and one with it allowed for any channel size, so the test does not depend on the CPU's
@@ -48,6 +50,72 @@ def taken(fmt, shape, dtype, kind, budget_bytes, threads):
     itemsize = np.dtype(np_dtype(dtype)).itemsize
     return (kind != "inference" and inner > 512 and inner * itemsize >= RUN_BYTES
             and c >= 4 * threads and 2 * n * inner * itemsize <= budget_bytes)
+
+
+def taken_forward(fmt, shape, dtype, kind, budget_bytes, threads):
+    """Whether the forward takes the plan (forward.inc): float32 only, x alone cached."""
+    if dtype != "float32" or kind == "inference":
+        return False
+    # The backward's conditions with one cached tensor instead of two.
+    return taken(fmt, shape, dtype, "plain", 2 * budget_bytes, threads)
+
+
+FORWARD_KINDS = ("plain", "relu", "relu6_side", "swish_side", "avg_factor", "inference")
+
+
+def forward_outputs():
+    """name -> bits of every forward output (the activation mask too), per (case, dtype, kind,
+    threads), and per supported path."""
+    out = {}
+    for fmt, shape in CASES:
+        first = fmt.startswith("NC")
+        c = shape[1] if first else shape[-1]
+        for dtype in DTYPES:
+            dt = np_dtype(dtype)
+            rng = np.random.default_rng(len(shape) * 1000 + shape[-1] * 5 + len(dtype))
+            # Off-centre data: the statistics' shifted sums and Chan's merge are exercised.
+            x = (rng.standard_normal(shape) * 2 + 3).astype(np.float32).astype(dt)
+            side = rng.standard_normal(shape).astype(np.float32).astype(dt)
+            scale = rng.uniform(0.5, 1.5, c).astype(np.float32)
+            offset = rng.standard_normal(c).astype(np.float32)
+            running_mean = rng.standard_normal(c).astype(np.float32)
+            running_var = rng.uniform(0.5, 2.0, c).astype(np.float32)
+            for kind in FORWARD_KINDS:
+                act = {"relu": "relu", "relu6_side": "relu6", "swish_side": "swish"}.get(kind)
+                kw = dict(data_format=fmt, is_training=kind != "inference", activation=act,
+                          side_input=side if kind.endswith("_side") else None,
+                          return_act_mask=act in ("relu", "relu6"),
+                          exponential_avg_factor=0.3 if kind == "avg_factor" else 1.0)
+                for threads in (1, 2):
+                    res = core.bn_forward(x, scale, offset, running_mean, running_var, 1e-3,
+                                          num_threads=threads, **kw)
+                    key = "fwd-%s-%s-%s-%s-%d" % (fmt, "x".join(map(str, shape)), dtype, kind,
+                                                  threads)
+                    for i, r in enumerate(res):
+                        out["%s-%d" % (key, i)] = np.asarray(r).view(np.uint8).copy()
+                if kind == "plain":
+                    for isa in core.CPU_ISAS:
+                        if core.cpu_supports(isa):
+                            res = core.bn_forward(x, scale, offset, None, None, 1e-3,
+                                                  num_threads=2, isa=isa, **kw)
+                            for i, r in enumerate(res):
+                                out["fwd-%s-%s-%s-%s-%d" % (
+                                    fmt, "x".join(map(str, shape)), dtype, isa, i)] = \
+                                    np.asarray(r).view(np.uint8).copy()
+    return out
+
+
+def expected_forward_calls(budget_bytes):
+    n = 0
+    isas = sum(core.cpu_supports(i) for i in core.CPU_ISAS)
+    for fmt, shape in CASES:
+        for dtype in DTYPES:
+            for kind in FORWARD_KINDS:
+                n += sum(taken_forward(fmt, shape, dtype, kind, budget_bytes, t)
+                         for t in (1, 2))
+                if kind == "plain" and taken_forward(fmt, shape, dtype, kind, budget_bytes, 2):
+                    n += isas
+    return n
 
 
 def outputs():
@@ -124,9 +192,12 @@ _CHILD = r"""
 import sys, numpy as np
 sys.path.insert(0, %(tests)r)
 from fbn_grad_tf import _core
-from test_channel_major import outputs
+from test_channel_major import forward_outputs, outputs
 out = outputs()
-out["calls"] = np.array([_core.channel_major_call_count()])
+before = _core.channel_major_call_count("forward")  # outputs() runs forwards for y
+out.update(forward_outputs())
+out["calls"] = np.array([_core.channel_major_call_count("backward")])
+out["forward_calls"] = np.array([_core.channel_major_call_count("forward") - before])
 np.savez(sys.argv[1], **out)
 """
 
@@ -145,7 +216,13 @@ def test_channel_major_gives_the_plane_tasks_bits(tmp_path):
     off = _run_child(tmp_path, 0)
     on = _run_child(tmp_path, ALWAYS_KIB)
     assert int(off.pop("calls")[0]) == 0
+    assert int(off.pop("forward_calls")[0]) == 0
     calls = int(on.pop("calls")[0])
+    # The forward: taken exactly where it applies (float32 only), the same bits either way.
+    assert int(on.pop("forward_calls")[0]) == expected_forward_calls(ALWAYS_KIB << 10) > 0
+    assert any(not taken_forward(fmt, shape, dtype, "plain", ALWAYS_KIB << 10, 1)
+               and taken(fmt, shape, dtype, "plain", ALWAYS_KIB << 10, 1)
+               for fmt, shape in CASES for dtype in DTYPES)
     # The plan was taken exactly where it applies (and some cases are outside it).
     assert calls == expected_calls(ALWAYS_KIB << 10) > 0
     assert any(not taken(fmt, shape, dtype, "plain", ALWAYS_KIB << 10, 1)
@@ -153,16 +230,24 @@ def test_channel_major_gives_the_plane_tasks_bits(tmp_path):
     assert any(taken(fmt, shape, dtype, "plain", ALWAYS_KIB << 10, 1)
                and not taken(fmt, shape, dtype, "plain", ALWAYS_KIB << 10, 2)
                for fmt, shape in CASES for dtype in DTYPES)
-    assert sorted(off) == sorted(on) and len(on) > 300
+    assert sorted(off) == sorted(on) and len(on) > 500
+    assert sum(k.startswith("fwd-") for k in on) > 200
     for k in off:
         np.testing.assert_array_equal(on[k], off[k], err_msg=k)
 
 
 def test_channel_major_respects_the_channel_budget(tmp_path):
-    # 20 KiB: only channels of at most 20480 bytes of y_backprop and x (2 x N x plane) qualify.
+    # 20 KiB: only channels of at most 20480 bytes of y_backprop and x (2 x N x plane) qualify
+    # in the backward, of x (N x plane) in the forward.
     out = _run_child(tmp_path, 20)
     assert int(out["calls"][0]) == expected_calls(20 << 10)
     assert 0 < expected_calls(20 << 10) < expected_calls(ALWAYS_KIB << 10)
+    assert int(out["forward_calls"][0]) == expected_forward_calls(20 << 10)
+    assert 0 < expected_forward_calls(20 << 10) < expected_forward_calls(ALWAYS_KIB << 10)
+    # A channel that fits the forward's budget but not the backward's.
+    assert any(taken_forward(fmt, shape, "float32", "plain", 20 << 10, 1)
+               and not taken(fmt, shape, "float32", "plain", 20 << 10, 1)
+               for fmt, shape in CASES)
 
 
 def _default_budget():
@@ -188,3 +273,11 @@ def test_channel_major_budget_environment_override(value, want):
     if want is None:
         want = 0 if prefetch == "True" else 4 << 20
     assert int(budget) == want
+
+
+def test_channel_major_call_count_names_the_op():
+    from fbn_grad_tf import _core
+    assert _core.channel_major_call_count() == _core.channel_major_call_count("backward") >= 0
+    assert _core.channel_major_call_count("forward") >= 0
+    with pytest.raises(ValueError, match="'backward' or 'forward'"):
+        _core.channel_major_call_count("bogus")

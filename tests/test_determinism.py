@@ -119,6 +119,7 @@ CONFIGS = {  # name -> (intra-op threads, inter-op threads, extra environment)
     "threads2-streamed": (2, 1, {"FBN_GRAD_TF_STREAM_MIB": "0"}),
     # The channels-first training backward channel by channel for every channel (the
     # NCHW/NCDHW cases' planes are 8-32 KB), and never (the default depends on the CPU).
+    # (These children run no forward; the forward's plan: test_channel_major.py.)
     "threads2-channel-major": (2, 1, {"FBN_GRAD_TF_CHANNEL_MAJOR_KIB": "1048576"}),
     "threads2-plane-tasks": (2, 1, {"FBN_GRAD_TF_CHANNEL_MAJOR_KIB": "0"}),
     # Every call in one tf.function with 4 inter-op threads: our ops run at the same time

@@ -555,16 +555,21 @@ int64_t ChannelMajorMaxBytes() {
 
 namespace {
 std::atomic<int64_t> g_streamed_outputs{0};
-std::atomic<int64_t> g_channel_major_calls{0};
+constexpr int kBnOps = 2;
+std::atomic<int64_t> g_channel_major_calls[kBnOps] = {{0}, {0}};  // by BnOp
 }  // namespace
 
 void CountStreamedOutput() { g_streamed_outputs.fetch_add(1, std::memory_order_relaxed); }
 
 int64_t StreamedOutputCount() { return g_streamed_outputs.load(std::memory_order_relaxed); }
 
-void CountChannelMajorCall() { g_channel_major_calls.fetch_add(1, std::memory_order_relaxed); }
+void CountChannelMajorCall(BnOp op) {
+  g_channel_major_calls[static_cast<int>(op)].fetch_add(1, std::memory_order_relaxed);
+}
 
-int64_t ChannelMajorCallCount() { return g_channel_major_calls.load(std::memory_order_relaxed); }
+int64_t ChannelMajorCallCount(BnOp op) {
+  return g_channel_major_calls[static_cast<int>(op)].load(std::memory_order_relaxed);
+}
 
 bool HugePageAdvice() {
   static const bool chosen = OnOffAutoSwitch("FBN_GRAD_TF_HUGEPAGES", true);

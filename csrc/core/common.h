@@ -229,10 +229,12 @@ bool SoftwarePrefetch();
 // is a heuristic: measured only on that VM, which sees the host's whole L3.
 int64_t StreamMinBytes(int itemsize);
 
-// The largest channel, in bytes of its y_backprop and x planes together, that the training
-// backward takes channel by channel on channels-first tensors (backward.inc, "the
-// channel-major plan"): a task reduces one channel's planes and applies dx to them right
-// after, while they are still cached, so the inputs come from memory once instead of twice.
+// The largest channel, in bytes of the planes it keeps cached between its two passes, that
+// the training backward and forward take channel by channel on channels-first tensors
+// (backward.inc and forward.inc, "the channel-major plan"): a task reduces one channel's
+// planes and applies dx (or y) to them right after, while they are still cached, so the
+// inputs come from memory once instead of twice. The backward keeps y_backprop and x, the
+// forward x.
 // 4 MiB where the hardware prefetchers work alone (SoftwarePrefetch() off: AMD CPUs), where
 // it was measured: on a 2-core AMD EPYC Zen 2 (16 MiB L3 per core complex) channels of up to
 // 3.2 MB took 0.74-0.77x the time in float32, and 6.4 MB ones (above this default, with the
@@ -243,10 +245,11 @@ int64_t StreamMinBytes(int itemsize);
 // 0 = never; auto) overrides it. Read once, by each library that holds the kernels.
 int64_t ChannelMajorMaxBytes();
 
-// How many training backward calls the CPU kernels have taken channel by channel in this
+// How many training calls of each op the CPU kernels have taken channel by channel in this
 // library since it was loaded: a statistic for tests; results never depend on it.
-void CountChannelMajorCall();
-int64_t ChannelMajorCallCount();
+enum class BnOp { kBackward, kForward };
+void CountChannelMajorCall(BnOp op);
+int64_t ChannelMajorCallCount(BnOp op);
 
 // How many outputs the CPU kernels have streamed in this library since it was loaded (one per
 // kernel pass that writes its dx or y with non-temporal stores). A statistic for tests and

@@ -548,12 +548,22 @@ PYBIND11_MODULE(_core, m) {
         "How many outputs this module's CPU kernels have written with non-temporal stores "
         "(one per kernel pass), a statistic for tests");
   m.def("channel_major_max_bytes", [] { return fbn::ChannelMajorMaxBytes(); },
-        "The largest channel (bytes of its y_backprop and x planes) that the CPU training "
-        "backward takes channel by channel on channels-first tensors; 0 = never "
+        "The largest channel (bytes of the planes kept cached between its two passes: "
+        "y_backprop and x in the backward, x in the forward) that the CPU training kernels "
+        "take channel by channel on channels-first tensors; 0 = never "
         "(FBN_GRAD_TF_CHANNEL_MAJOR_KIB overrides)");
-  m.def("channel_major_call_count", [] { return fbn::ChannelMajorCallCount(); },
-        "How many training backward calls this module's CPU kernels have taken channel by "
-        "channel, a statistic for tests");
+  m.def(
+      "channel_major_call_count",
+      [](const std::string& op) {
+        if (op != "backward" && op != "forward")
+          throw py::value_error("channel_major_call_count: op must be 'backward' or "
+                                "'forward', got '" + op + "'");
+        return fbn::ChannelMajorCallCount(op == "forward" ? fbn::BnOp::kForward
+                                                          : fbn::BnOp::kBackward);
+      },
+      py::arg("op") = "backward",
+      "How many training calls of the op ('backward' or 'forward') this module's CPU kernels "
+      "have taken channel by channel, a statistic for tests");
   m.def("isa_names", [] {
     std::vector<std::string> names;
     for (fbn::CpuIsa isa : fbn::kCpuIsas) names.push_back(fbn::CpuIsaName(isa));

@@ -34,9 +34,10 @@ stream_min_bytes = _core.stream_min_bytes
 # pages before writing them, which makes their first-touch page faults 512x fewer on Linux;
 # FBN_GRAD_TF_HUGEPAGES=on|off|auto (auto = on) overrides (read once).
 hugepage_advice = _core.hugepage_advice
-# The largest channel (bytes of its y_backprop and x planes) that the CPU training backward
-# takes channel by channel on channels-first tensors, reading them from memory once: 4 MiB
-# where the backward leaves prefetching to the hardware (AMD CPUs), 0 (never) elsewhere;
+# The largest channel (bytes of the planes it keeps cached: y_backprop and x in the backward,
+# x in the float32 forward) that the CPU training kernels take channel by channel on
+# channels-first tensors, reading them from memory once: 4 MiB where the kernels leave
+# prefetching to the hardware (AMD CPUs), 0 (never) elsewhere;
 # FBN_GRAD_TF_CHANNEL_MAJOR_KIB=<KiB> overrides (read once).
 channel_major_max_bytes = _core.channel_major_max_bytes
 # Every CPU path compiled in, lowest first; cpu_supports(name) says which this CPU can run.
