@@ -60,6 +60,12 @@ def taken_forward(fmt, shape, dtype, kind, budget_bytes, threads):
     return taken(fmt, shape, dtype, "plain", 2 * budget_bytes, threads)
 
 
+def store_bits(out, key, results):
+    """out[key-i] = the bytes of result i."""
+    for i, r in enumerate(results):
+        out["%s-%d" % (key, i)] = np.asarray(r).view(np.uint8).copy()
+
+
 FORWARD_KINDS = ("plain", "relu", "relu6_side", "swish_side", "avg_factor", "inference")
 
 
@@ -91,31 +97,19 @@ def forward_outputs():
                                           num_threads=threads, **kw)
                     key = "fwd-%s-%s-%s-%s-%d" % (fmt, "x".join(map(str, shape)), dtype, kind,
                                                   threads)
-                    for i, r in enumerate(res):
-                        out["%s-%d" % (key, i)] = np.asarray(r).view(np.uint8).copy()
+                    store_bits(out, key, res)
                 if kind == "plain":
                     for isa in core.CPU_ISAS:
                         if core.cpu_supports(isa):
                             res = core.bn_forward(x, scale, offset, None, None, 1e-3,
                                                   num_threads=2, isa=isa, **kw)
-                            for i, r in enumerate(res):
-                                out["fwd-%s-%s-%s-%s-%d" % (
-                                    fmt, "x".join(map(str, shape)), dtype, isa, i)] = \
-                                    np.asarray(r).view(np.uint8).copy()
+                            store_bits(out, "fwd-%s-%s-%s-%s" % (
+                                fmt, "x".join(map(str, shape)), dtype, isa), res)
     return out
 
 
 def expected_forward_calls(budget_bytes):
-    n = 0
-    isas = sum(core.cpu_supports(i) for i in core.CPU_ISAS)
-    for fmt, shape in CASES:
-        for dtype in DTYPES:
-            for kind in FORWARD_KINDS:
-                n += sum(taken_forward(fmt, shape, dtype, kind, budget_bytes, t)
-                         for t in (1, 2))
-                if kind == "plain" and taken_forward(fmt, shape, dtype, kind, budget_bytes, 2):
-                    n += isas
-    return n
+    return expected_calls(budget_bytes, taken_forward, FORWARD_KINDS)
 
 
 def outputs():
@@ -161,29 +155,28 @@ def outputs():
                     else:
                         res = core.bn_grad(dy, x, scale, mean, var, 1e-3, fmt,
                                            kind != "inference", num_threads=threads, **kw)
-                    for i, r in enumerate(res):
-                        out["%s-%d" % (key, i)] = np.asarray(r).view(np.uint8).copy()
+                    store_bits(out, key, res)
                 # Every supported path, the plain call on two threads.
                 if kind == "plain":
                     for isa in core.CPU_ISAS:
                         if core.cpu_supports(isa):
                             res = core.bn_grad(dy, x, scale, mean, var, 1e-3, fmt, True,
                                                num_threads=2, isa=isa)
-                            for i, r in enumerate(res):
-                                out["%s-%s-%s-%s-%d" % (fmt, "x".join(map(str, shape)), dtype,
-                                                        isa, i)] = \
-                                    np.asarray(r).view(np.uint8).copy()
+                            store_bits(out, "%s-%s-%s-%s" % (
+                                fmt, "x".join(map(str, shape)), dtype, isa), res)
     return out
 
 
-def expected_calls(budget_bytes):
+def expected_calls(budget_bytes, is_taken=taken, kinds=KINDS):
+    """The calls outputs() (or, with taken_forward and FORWARD_KINDS, forward_outputs())
+    makes that take the plan."""
     n = 0
     isas = sum(core.cpu_supports(i) for i in core.CPU_ISAS)
     for fmt, shape in CASES:
         for dtype in DTYPES:
-            for kind in KINDS:
-                n += sum(taken(fmt, shape, dtype, kind, budget_bytes, t) for t in (1, 2))
-                if kind == "plain" and taken(fmt, shape, dtype, kind, budget_bytes, 2):
+            for kind in kinds:
+                n += sum(is_taken(fmt, shape, dtype, kind, budget_bytes, t) for t in (1, 2))
+                if kind == "plain" and is_taken(fmt, shape, dtype, kind, budget_bytes, 2):
                     n += isas  # the per-path calls, on two threads
     return n
 
