@@ -155,6 +155,20 @@ def _default_stream_min_bytes():
 
 @pytest.mark.skipif(os.environ.get("FBN_GRAD_TF_STREAM_MIB", "") not in ("", "auto"),
                     reason="FBN_GRAD_TF_STREAM_MIB is set in this environment")
+def test_addresses_are_the_arrays_data_pointers():
+    """_core.addresses is what the wrappers pass the kernels as pointers: each array's data
+    address (views included, as ndarray.ctypes.data gives it), 0 for None."""
+    base = np.arange(64, dtype=np.float32)
+    arrays = [base, base[8:], base.reshape(8, 8)[2], np.zeros(0, np.float32),
+              np.ones((2, 3), ml_dtypes.bfloat16)]
+    got = _core.addresses(arrays + [None])
+    assert got == [a.ctypes.data for a in arrays] + [0]
+    assert got[1] - got[0] == 8 * 4 and got[2] - got[0] == 16 * 4
+    assert _core.addresses([]) == []
+    with pytest.raises(TypeError, match="NumPy arrays or None"):
+        _core.addresses([base, [1.0, 2.0]])
+
+
 def test_stream_threshold_by_element_size():
     assert [core.stream_min_bytes(4), core.stream_min_bytes(2)] == _default_stream_min_bytes()
     for itemsize in (0, 1, 8):

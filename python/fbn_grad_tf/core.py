@@ -130,14 +130,14 @@ def bn_forward(x, scale, offset, mean=None, variance=None, epsilon=1e-4,
     channels = vecs[0].shape[0]
     y = np.empty_like(xx)
     stats = [np.empty(channels, np.float32) for _ in range(4)]
-    ptrs = [a.ctypes.data if a.size else 0 for a in (xx, *vecs)] + [y.ctypes.data] + [
-        a.ctypes.data for a in stats] + ([] if side is None else [side.ctypes.data])
     mask = (np.empty(_core.activation_mask_floats(int(xx.size)), np.uint32)
             if return_act_mask else None)
+    ptrs = _core.addresses([*(a if a.size else None for a in (xx, *vecs)), y, *stats]
+                           + ([] if side is None else [side]) + [mask])
+    mask_ptr = ptrs.pop()
     _core.bn_forward_cpu_raw(dtype, ptrs, shapes, data_format, float(epsilon),
                              float(exponential_avg_factor), bool(is_training), mode, saved_stat,
-                             int(_threads(num_threads)), isa,
-                             act_mask=0 if mask is None else mask.ctypes.data)
+                             int(_threads(num_threads)), isa, act_mask=mask_ptr)
     return (y, *stats) + (() if mask is None else (mask,))
 
 
@@ -250,16 +250,17 @@ def _bn_grad_cpu(dy, xx, vecs, extra, out, data_format, epsilon, is_training, sa
     side_input_backprop dy itself (in place, as the TF op does: csrc/core/backward.h)."""
     dx, dscale, doffset, dside = out
     shapes = [list(a.shape) for a in (dy, xx, *vecs)]
-    ptrs = [a.ctypes.data for a in (dy, xx, *vecs, dx, dscale, doffset)]
+    arrays = [dy, xx, *vecs, dx, dscale, doffset]
     present = []
     if extra is not None:
         shapes += [[0] if a is None else list(a.shape) for a in extra]
-        ptrs += [0 if a is None else a.ctypes.data for a in extra]
-        ptrs.append(0 if dside is None else dside.ctypes.data)
+        arrays += [*extra, dside]
         present = [a is not None for a in extra] + [dside is not None]
+    ptrs = _core.addresses(arrays + [act_mask])
+    act_mask_ptr = ptrs.pop()
     _core.bn_grad_cpu_raw(_dtype_name(xx.dtype), ptrs, shapes, data_format, float(epsilon),
                           bool(is_training), saved_stat, int(num_threads), isa, mode, present,
-                          act_mask=0 if act_mask is None else act_mask.ctypes.data,
+                          act_mask=act_mask_ptr,
                           act_mask_floats=0 if act_mask is None else act_mask.size)
 
 
@@ -476,9 +477,7 @@ def bn_grad_reduce(y_backprop, x, mean, data_format="NHWC", num_threads=0, isa="
     _core.validate_split(shapes, False, data_format, 0.0)
     channels = mm.shape[0]
     sums = [np.empty(channels, np.float32) for _ in range(2)]
-    ptrs = [a.ctypes.data for a in (dy, xx, mm, *sums)]
-    if ry is not None:
-        ptrs.append(ry.ctypes.data)
+    ptrs = _core.addresses([dy, xx, mm, *sums] + ([] if ry is None else [ry]))
     count = _core.bn_grad_reduce_cpu_raw(dtype, ptrs, shapes, data_format,
                                          int(_threads(num_threads)), isa)
     return sums[0], sums[1], count
@@ -500,9 +499,7 @@ def bn_grad_apply(y_backprop, x, scale, mean, variance, sum_dy, sum_dy_xmu, coun
     shapes = [list(a.shape) for a in (dy, xx, *vecs)]
     _core.validate_split(shapes, True, data_format, float(epsilon))
     dx = np.empty_like(xx)
-    ptrs = [a.ctypes.data for a in (dy, xx, *vecs, dx)]
-    if ry is not None:
-        ptrs.append(ry.ctypes.data)
+    ptrs = _core.addresses([dy, xx, *vecs, dx] + ([] if ry is None else [ry]))
     _core.bn_grad_apply_cpu_raw(dtype, ptrs, shapes, float(cnt), data_format, float(epsilon),
                                 int(_threads(num_threads)), isa)
     return dx
